@@ -1,0 +1,99 @@
+"""Options and environment. The ONLY module of fastdora that reads environment variables.
+
+Environment variables (all optional):
+
+- ``FASTDORA=0``                 kill switch: ``enable()`` converts nothing and reports why; converted layers fall back
+                                  to stock PEFT at their next forward.
+- ``FASTDORA_KERNELS``           default for the ``kernels`` option: ``auto`` (default), ``triton`` or ``eager``.
+- ``FASTDORA_LEGACY_EMBEDDING=1``  default for ``legacy_embedding_compose``.
+- ``FASTDORA_NORM_BUDGET_MB``    default for ``norm_budget_mb`` (working-set budget of the eager factored norm).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+__all__ = ["Options", "make_options", "killed", "env_default"]
+
+_KERNELS = ("auto", "triton", "eager")
+
+
+def killed() -> bool:
+    """True when the kill switch ``FASTDORA=0`` (or ``false``/``off``/``no``) is set."""
+    return os.environ.get("FASTDORA", "1").strip().lower() in ("0", "false", "off", "no")
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    val = raw.strip().lower()
+    if val in ("1", "true", "on", "yes"):
+        return True
+    if val in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"fastdora: environment variable {name}={raw!r} is not a boolean (use 0 or 1)")
+
+
+def env_default(name: str) -> Any:
+    if name == "kernels":
+        return os.environ.get("FASTDORA_KERNELS", "auto").strip().lower() or "auto"
+    if name == "legacy_embedding_compose":
+        return _env_bool("FASTDORA_LEGACY_EMBEDDING", False)
+    if name == "norm_budget_mb":
+        raw = os.environ.get("FASTDORA_NORM_BUDGET_MB", "16")
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"fastdora: FASTDORA_NORM_BUDGET_MB={raw!r} is not a number") from None
+    raise KeyError(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What ``fastdora.enable(**options)`` accepts (keyword-only).
+
+    kernels: ``"auto"`` (Triton on CUDA when it pays, exact PyTorch otherwise), ``"triton"`` (require Triton on
+        CUDA tensors; CPU tensors still use PyTorch), ``"eager"`` (always the exact PyTorch path).
+    legacy_embedding_compose: compose DoRA embeddings as PEFT 0.13-0.17 did (no ``embed_scale`` on the DoRA part),
+        for embedding adapters trained with those releases on scaled embeddings (e.g. Gemma). Default: as the
+        installed PEFT does.
+    cache_norm: reuse the weight norm while ``W, A, B, s`` are unchanged (exact; turn off only to debug).
+    norm_budget_mb: working-set budget of the eager factored norm's column chunks (MB).
+    """
+
+    kernels: str = "auto"
+    legacy_embedding_compose: bool = False
+    cache_norm: bool = True
+    norm_budget_mb: float = 16.0
+
+    @property
+    def norm_budget_bytes(self) -> int:
+        return int(self.norm_budget_mb * (1 << 20))
+
+
+_FIELDS = {f.name for f in dataclasses.fields(Options)}
+
+
+def make_options(**kwargs: Any) -> Options:
+    """Validate options: an unknown name raises ``TypeError``, a bad value ``ValueError``, each naming it."""
+    unknown = sorted(set(kwargs) - _FIELDS)
+    if unknown:
+        raise TypeError(
+            f"fastdora.enable() got unknown option(s) {unknown}; valid options: {sorted(_FIELDS)}"
+        )
+    values = {name: env_default(name) for name in ("kernels", "legacy_embedding_compose", "norm_budget_mb")}
+    values.update(kwargs)
+    kernels = values["kernels"]
+    if not isinstance(kernels, str) or kernels not in _KERNELS:
+        raise ValueError(f"fastdora: option kernels={kernels!r} is invalid; use one of {list(_KERNELS)}")
+    for name in ("legacy_embedding_compose", "cache_norm"):
+        if name in values and not isinstance(values[name], bool):
+            raise ValueError(f"fastdora: option {name}={values[name]!r} must be a bool")
+    budget = values["norm_budget_mb"]
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
+        raise ValueError(f"fastdora: option norm_budget_mb={budget!r} must be a positive number")
+    values["norm_budget_mb"] = float(budget)
+    return Options(**values)

@@ -1,0 +1,64 @@
+"""Runtime dispatch: which implementation runs a composition or a norm.
+
+- Triton training / inference path: CUDA tensors, Triton importable, ``kernels != "eager"``, supported layout.
+- Exact PyTorch fallback: CPU, no Triton, ``kernels="eager"``, channel-first (conv) layouts, or tiny problems
+  where launch latency dominates (threshold measured on the GPU: see ``fastdora.kernels.tuning``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+__all__ = ["compose_impl", "norm_impl", "triton_available"]
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    try:
+        from .kernels import compose as _k  # noqa: F401
+
+        return _k.AVAILABLE
+    except Exception:  # pragma: no cover - import errors mean "no triton"
+        return False
+
+
+def _wants_triton(kernels: str, *tensors: Optional[torch.Tensor]) -> bool:
+    if kernels == "eager":
+        return False
+    ts = [t for t in tensors if t is not None]
+    if not ts or not all(t.is_cuda for t in ts):
+        return False
+    if not triton_available():
+        if kernels == "triton":
+            raise RuntimeError("fastdora: kernels='triton' was requested but Triton is not importable")
+        return False
+    return True
+
+
+def compose_impl(result, lora, magnitude, bias, base_delta, feature_dim, kernels: str):
+    from .ops.compose import EAGER
+
+    if feature_dim not in (-1, result.dim() - 1) or not _wants_triton(kernels, result, lora, magnitude):
+        return EAGER
+    from .kernels import compose as k
+
+    if kernels == "auto" and not k.worth_it(result):
+        return EAGER
+    if bias is not None and bias.requires_grad:
+        return EAGER
+    return k.TRITON
+
+
+def norm_impl(weight, lora_A, lora_B, kernels: str):
+    from .ops.norm import factored_norm_eager
+
+    if not _wants_triton(kernels, weight, lora_A, lora_B):
+        return factored_norm_eager
+    from .kernels import norm as kn
+
+    if not kn.supports(weight, lora_A, lora_B):
+        return factored_norm_eager
+    return kn.factored_norm_triton

@@ -1,0 +1,1 @@
+"""Triton kernels (private ``_x_kernel`` functions + launchers). Imported lazily by ``fastdora.dispatch``."""

@@ -1,0 +1,479 @@
+"""PEFT integration: fastdora's subclasses of PEFT's DoRA magnitude layers and DoRA variants.
+
+A converted LoRA layer keeps PEFT's class. Its ``lora_variant[a]`` becomes a ``FastDora*Variant`` (subclass of
+PEFT's ``Dora*Variant``) and each ``lora_magnitude_vector[a]`` module has its class swapped to ``FastDora*Layer``
+(subclass of PEFT's ``Dora*Layer``): the same object and ``nn.Parameter``, the same state-dict keys and dtypes.
+
+The variant calls the magnitude module (``__call__``: FSDP1 unshards it there) with ``fastdora_result=result``; the
+module then returns the final layer output, composed in one expression with the cached factored norm. Called the
+PEFT way (without ``fastdora_result``) the module returns exactly what PEFT's returns.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from peft.tuners.lora import dora as peft_dora
+from peft.tuners.lora import variants as peft_variants
+from peft.utils.integrations import dequantize_module_weight
+from peft.utils.other import transpose
+from torch import nn
+
+from . import config as _config
+from .ops.compose import acc_dtype_for, dora_compose
+from .ops.norm import factored_norm
+from .stats import active_path_counter, record
+
+__all__ = [
+    "FastDoraLinearLayer",
+    "FastDoraEmbeddingLayer",
+    "FastDoraConv1dLayer",
+    "FastDoraConv2dLayer",
+    "FastDoraConv3dLayer",
+    "FastDoraLinearVariant",
+    "FastDoraEmbeddingVariant",
+    "FastDoraConv1dVariant",
+    "FastDoraConv2dVariant",
+    "FastDoraConv3dVariant",
+    "active_path_counter",
+    "eps_for",
+    "PEFT_CLASSES",
+]
+
+# PEFT's own classes, captured at import (before any process-wide patching of PEFT's module globals).
+PEFT_CLASSES = {
+    name: getattr(peft_variants, name)
+    for name in (
+        "DoraLinearLayer",
+        "DoraEmbeddingLayer",
+        "DoraConv1dLayer",
+        "DoraConv2dLayer",
+        "DoraConv3dLayer",
+        "DoraLinearVariant",
+        "DoraEmbeddingVariant",
+        "DoraConv1dVariant",
+        "DoraConv2dVariant",
+        "DoraConv3dVariant",
+    )
+}
+
+_DEFAULT_OPTIONS: Optional[_config.Options] = None
+
+
+def default_options() -> _config.Options:
+    """Options for layers converted without explicit options (process-wide mode sets them)."""
+    global _DEFAULT_OPTIONS
+    if _DEFAULT_OPTIONS is None:
+        _DEFAULT_OPTIONS = _config.make_options()
+    return _DEFAULT_OPTIONS
+
+
+def set_default_options(options: Optional[_config.Options]) -> None:
+    global _DEFAULT_OPTIONS
+    _DEFAULT_OPTIONS = options
+
+
+def eps_for(dtype: torch.dtype) -> float:
+    """eps of ``max(norm, eps)``: 1e-6 for half precision compute, 1e-12 otherwise (dora-math.md)."""
+    return 1e-6 if dtype in (torch.float16, torch.bfloat16) else 1e-12
+
+
+def _tkey(t: torch.Tensor):
+    """Identity + version of a tensor's contents: any in-place change or storage swap changes it."""
+    try:
+        version = t._version
+    except RuntimeError:  # inference tensors have no version counter: never cache them
+        return None
+    return (t.data_ptr(), version, tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+def _peft_caching_enabled() -> bool:
+    return bool(getattr(peft_dora, "ENABLE_DORA_CACHING", False))
+
+
+class _FastDoraMixin:
+    """Norm caching shared by every fastdora magnitude layer (state lives in plain ``_fastdora_*`` attributes)."""
+
+    _fastdora_kind = "linear"
+
+    def _fd_options(self) -> _config.Options:
+        opts = self.__dict__.get("_fastdora_options")
+        return opts if opts is not None else default_options()
+
+    def _fd_invalidate(self) -> None:
+        self.__dict__["_fastdora_norm"] = {}
+        self.__dict__["_fastdora_base"] = None
+
+    def _fd_peft_cache(self, adapter_name: Optional[str], norm: torch.Tensor) -> None:
+        # PEFT's DoraCaching semantics for its `_dora_cache` (peft >= 0.19): filled only in eval mode while enabled.
+        if not hasattr(self, "_dora_cache"):
+            return
+        if (not _peft_caching_enabled()) or self.training or adapter_name is None:
+            self._cache_clear()
+        else:
+            self._cache_store(f"weight-norm-{adapter_name}", norm)
+
+    def _fd_weight_norm(
+        self,
+        weight_src: torch.Tensor,
+        weight_fn: Callable[[], torch.Tensor],
+        lora_A: torch.Tensor,
+        lora_B: torch.Tensor,
+        scale: float,
+        adapter_name: Optional[str],
+    ) -> torch.Tensor:
+        """Detached row norm of ``weight_fn() + scale * lora_B @ lora_A`` (effective [d_out, d_in] layout).
+
+        ``weight_src`` is the stored base parameter (keyed for the cache); ``weight_fn`` produces the effective
+        weight (dequantized / transposed / flattened) only when the norm must be computed.
+        """
+        opts = self._fd_options()
+        kernels, budget = opts.kernels, opts.norm_budget_bytes
+        if torch.compiler.is_compiling() or not opts.cache_norm:
+            return factored_norm(weight_fn(), lora_A, lora_B, scale, None, budget, kernels)[0]
+        wkey = _tkey(weight_src)
+        akey, bkey = _tkey(lora_A), _tkey(lora_B)
+        if wkey is None or akey is None or bkey is None:
+            return factored_norm(weight_fn(), lora_A, lora_B, scale, None, budget, kernels)[0]
+        key = (wkey, akey, bkey, float(scale))
+        cache = self.__dict__.setdefault("_fastdora_norm", {})
+        hit = cache.get(adapter_name)
+        if hit is not None and hit[0] == key:
+            record("norm:cached")
+            return hit[1]
+        base = self.__dict__.get("_fastdora_base")
+        base_sq = base[1] if (base is not None and base[0] == wkey) else None
+        norm, base_sq = factored_norm(weight_fn(), lora_A, lora_B, scale, base_sq, budget, kernels)
+        record("norm:computed" if base is None or base[0] != wkey else "norm:computed_base_cached")
+        self.__dict__["_fastdora_base"] = (wkey, base_sq)
+        cache[adapter_name] = (key, norm)
+        return norm
+
+
+def _peft_style_g(magnitude: torch.Tensor, norm: torch.Tensor, eps: float, acc: torch.dtype) -> torch.Tensor:
+    # g with autograd to the magnitude (used when PEFT-style callers invoke the magnitude module directly)
+    return magnitude.reshape(-1).to(acc) / norm.to(acc).clamp_min(eps)
+
+
+class FastDoraLinearLayer(_FastDoraMixin, PEFT_CLASSES["DoraLinearLayer"]):
+    _fastdora_kind = "linear"
+
+    def _fd_linear_norm(self, base_layer, lora_A, lora_B, scaling, adapter_name):
+        fan_in_fan_out = self.fan_in_fan_out
+
+        def weight_fn():
+            return transpose(dequantize_module_weight(base_layer), fan_in_fan_out)
+
+        return self._fd_weight_norm(base_layer.weight, weight_fn, lora_A.weight, lora_B.weight, scaling, adapter_name)
+
+    def forward(
+        self,
+        x,
+        *,
+        lora_A,
+        lora_B,
+        scaling,
+        base_layer,
+        base_result=None,
+        adapter_name="default",
+        fastdora_result=None,
+        fastdora_out_dtype=None,
+    ):
+        norm = self._fd_linear_norm(base_layer, lora_A, lora_B, scaling, adapter_name)
+        self._fd_peft_cache(adapter_name, norm)
+        eps = eps_for(x.dtype)
+        lora = lora_B(lora_A(x))
+        base_delta = None
+        if base_result is None:
+            weight = dequantize_module_weight(base_layer).to(x.dtype)
+            base_delta = F.linear(x, transpose(weight, self.fan_in_fan_out))
+        if fastdora_result is not None:
+            bias = getattr(base_layer, "bias", None) if base_delta is None else None
+            return dora_compose(
+                fastdora_result,
+                lora,
+                self.weight,
+                norm,
+                scaling,
+                eps,
+                bias=bias,
+                base_delta=base_delta,
+                out_dtype=fastdora_out_dtype,
+                kernels=self._fd_options().kernels,
+                kind=self._fastdora_kind,
+            )
+        # PEFT-style call: return PEFT's delta, (g - 1) * base_nobias + g * s * lora
+        record(f"{self._fastdora_kind}:peft_style")
+        if base_delta is None:
+            bias = getattr(base_layer, "bias", None)
+            base_delta = base_result - bias if bias is not None else base_result
+        acc = acc_dtype_for(lora, base_delta, self.weight)
+        g = _peft_style_g(self.weight, norm, eps, acc).view(1, -1)
+        out = (g - 1) * base_delta.to(acc) + g * lora.to(acc) * scaling
+        return out.to(torch.promote_types(lora.dtype, base_delta.dtype))
+
+
+class FastDoraEmbeddingLayer(_FastDoraMixin, PEFT_CLASSES["DoraEmbeddingLayer"]):
+    _fastdora_kind = "embedding"
+
+    def forward(
+        self,
+        x,
+        *,
+        lora_A,
+        lora_B,
+        scaling,
+        base_layer,
+        embed_fn,
+        adapter_name="default",
+        fastdora_result=None,
+        fastdora_embed_scale=None,
+        fastdora_out_dtype=None,
+    ):
+        # PEFT passes lora_A = embedding_A.T [num_emb, r], lora_B = embedding_B.T [r, dim]; the effective weight
+        # is W.T [dim, num_emb] with factors A = embedding_A [r, num_emb], B = embedding_B [dim, r].
+        w = base_layer.weight
+        norm = self._fd_weight_norm(w, lambda: w.T, lora_A.T, lora_B.T, scaling, adapter_name)
+        self._fd_peft_cache(adapter_name, norm)
+        lora = embed_fn(x, lora_A) @ lora_B
+        eps = eps_for(lora.dtype)
+        if fastdora_result is not None:
+            if fastdora_embed_scale is not None:
+                lora = lora * fastdora_embed_scale.to(lora.dtype)
+            return dora_compose(
+                fastdora_result,
+                lora,
+                self.weight,
+                norm,
+                scaling,
+                eps,
+                out_dtype=fastdora_out_dtype,
+                kernels=self._fd_options().kernels,
+                kind=self._fastdora_kind,
+            )
+        record(f"{self._fastdora_kind}:peft_style")
+        acc = acc_dtype_for(lora, self.weight)
+        g = _peft_style_g(self.weight, norm, eps, acc)
+        return g, g * lora.to(acc) * scaling
+
+
+class _FastDoraConvNdMixin(_FastDoraMixin):
+    _fastdora_kind = "conv"
+
+    def _fd_factors(self, base_layer, lora_A, lora_B):
+        """Effective 2-D factors reproducing PEFT's ``B.view(-1, r) @ A.view(r, -1)`` reshaped to W, or None when that
+        reshape does not map rows to output channels (then the dense PEFT formula is the definition)."""
+        w = base_layer.weight
+        r = lora_A.weight.shape[0]
+        a2 = lora_A.weight.reshape(r, -1)
+        b2 = lora_B.weight.reshape(-1, r)
+        c_out = w.shape[0]
+        if b2.shape[0] == c_out and a2.shape[1] * c_out == w.numel():
+            return a2, b2
+        return None
+
+    def _fd_conv_norm(self, base_layer, lora_A, lora_B, scaling, adapter_name):
+        w = base_layer.weight
+        factors = self._fd_factors(base_layer, lora_A, lora_B)
+        if factors is None:
+            record("conv:dense_norm")
+            r = lora_A.weight.shape[0]
+            with torch.no_grad():
+                lw = torch.mm(lora_B.weight.view(-1, r), lora_A.weight.view(r, -1)).reshape(w.shape)
+                dense = w + scaling * lw
+                return dense.flatten(1).to(acc_dtype_for(dense)).norm(dim=1)
+        a2, b2 = factors
+        return self._fd_weight_norm(w, lambda: w.reshape(w.shape[0], -1), a2, b2, scaling, adapter_name)
+
+    def forward(
+        self,
+        x,
+        *,
+        lora_A,
+        lora_B,
+        scaling,
+        base_layer,
+        base_result=None,
+        adapter_name="default",
+        fastdora_result=None,
+        fastdora_out_dtype=None,
+    ):
+        norm = self._fd_conv_norm(base_layer, lora_A, lora_B, scaling, adapter_name)
+        self._fd_peft_cache(adapter_name, norm.view(1, -1, *([1] * (base_layer.weight.dim() - 2))))
+        eps = eps_for(x.dtype)
+        lora = lora_B(lora_A(x))
+        base_delta = None
+        if base_result is None:
+            w = base_layer.weight
+            base_delta = self.conv_fn(
+                x,
+                w,
+                bias=None,
+                stride=base_layer.stride,
+                padding=base_layer.padding,
+                dilation=base_layer.dilation,
+                groups=base_layer.groups,
+            )
+        if fastdora_result is not None:
+            bias = getattr(base_layer, "bias", None) if base_delta is None else None
+            return dora_compose(
+                fastdora_result,
+                lora,
+                self.weight,
+                norm,
+                scaling,
+                eps,
+                bias=bias,
+                base_delta=base_delta,
+                out_dtype=fastdora_out_dtype,
+                feature_dim=1,
+                kernels=self._fd_options().kernels,
+                kind=self._fastdora_kind,
+            )
+        record(f"{self._fastdora_kind}:peft_style")
+        if base_delta is None:
+            bias = base_layer.bias
+            if bias is not None:
+                base_result = base_result - bias.view(1, -1, *([1] * (base_result.dim() - 2)))
+            base_delta = base_result
+        acc = acc_dtype_for(lora, base_delta, self.weight)
+        g = _peft_style_g(self.weight, norm, eps, acc).view(1, -1, *([1] * (lora.dim() - 2)))
+        out = (g - 1) * base_delta.to(acc) + g * lora.to(acc) * scaling
+        return out.to(torch.promote_types(lora.dtype, base_delta.dtype))
+
+
+class FastDoraConv1dLayer(_FastDoraConvNdMixin, PEFT_CLASSES["DoraConv1dLayer"]):
+    _fastdora_kind = "conv1d"
+
+
+class FastDoraConv2dLayer(_FastDoraConvNdMixin, PEFT_CLASSES["DoraConv2dLayer"]):
+    _fastdora_kind = "conv2d"
+
+
+class FastDoraConv3dLayer(_FastDoraConvNdMixin, PEFT_CLASSES["DoraConv3dLayer"]):
+    _fastdora_kind = "conv3d"
+
+
+# ----------------------------------------------------------------------------------------------------- variants
+
+
+def _out_dtype(module, result: torch.Tensor) -> Optional[torch.dtype]:
+    # One active adapter: PEFT rounds `result + delta` once to the result dtype; write that dtype directly.
+    # Several: PEFT threads the promoted (fp32) sum between adapters; keep that.
+    return result.dtype if len(module.active_adapters) == 1 else None
+
+
+def _invalidate(module, active_adapter: str) -> None:
+    mag = module.lora_magnitude_vector[active_adapter]
+    if isinstance(mag, _FastDoraMixin):
+        mag._fd_invalidate()
+
+
+def _merge_wrapper(peft_cls, name: str):
+    """Merge/unmerge change W: run PEFT's method, then drop the cached norms (the version/storage key would catch
+    the change too; this makes it explicit)."""
+    peft_method = getattr(peft_cls, name)
+
+    def method(module, active_adapter, orig_weight):
+        out = peft_method(module, active_adapter, orig_weight)
+        _invalidate(module, active_adapter)
+        return out
+
+    return staticmethod(method)
+
+
+class FastDoraLinearVariant(PEFT_CLASSES["DoraLinearVariant"]):
+    merge_safe = _merge_wrapper(PEFT_CLASSES["DoraLinearVariant"], "merge_safe")
+    merge_unsafe = _merge_wrapper(PEFT_CLASSES["DoraLinearVariant"], "merge_unsafe")
+    unmerge = _merge_wrapper(PEFT_CLASSES["DoraLinearVariant"], "unmerge")
+
+    @staticmethod
+    def forward(module, active_adapter, x, result, **kwargs):
+        mag = module.lora_magnitude_vector[active_adapter]
+        if not isinstance(mag, _FastDoraMixin):
+            return PEFT_CLASSES["DoraLinearVariant"].forward(module, active_adapter, x, result, **kwargs)
+        dropout = module.lora_dropout[active_adapter]
+        if isinstance(dropout, nn.Identity) or not module.training:
+            base_result = result
+        else:
+            x = dropout(x)
+            base_result = None
+        return mag(
+            x,
+            lora_A=module.lora_A[active_adapter],
+            lora_B=module.lora_B[active_adapter],
+            scaling=module.scaling[active_adapter],
+            base_layer=module.get_base_layer(),
+            base_result=base_result,
+            adapter_name=active_adapter,
+            fastdora_result=result,
+            fastdora_out_dtype=_out_dtype(module, result),
+        )
+
+
+class FastDoraEmbeddingVariant(PEFT_CLASSES["DoraEmbeddingVariant"]):
+    merge_safe = _merge_wrapper(PEFT_CLASSES["DoraEmbeddingVariant"], "merge_safe")
+    merge_unsafe = _merge_wrapper(PEFT_CLASSES["DoraEmbeddingVariant"], "merge_unsafe")
+    unmerge = _merge_wrapper(PEFT_CLASSES["DoraEmbeddingVariant"], "unmerge")
+
+    @staticmethod
+    def forward(module, active_adapter, x, result, **kwargs):
+        mag = module.lora_magnitude_vector[active_adapter]
+        if not isinstance(mag, _FastDoraMixin):
+            return PEFT_CLASSES["DoraEmbeddingVariant"].forward(module, active_adapter, x, result, **kwargs)
+        embed_scale = None
+        if not mag._fd_options().legacy_embedding_compose and hasattr(module, "_get_embed_scale"):
+            embed_scale = module._get_embed_scale()
+        return mag(
+            x,
+            lora_A=module.lora_embedding_A[active_adapter].T,
+            lora_B=module.lora_embedding_B[active_adapter].T,
+            scaling=module.scaling[active_adapter],
+            base_layer=module.get_base_layer(),
+            embed_fn=module._embed,
+            adapter_name=active_adapter,
+            fastdora_result=result,
+            fastdora_embed_scale=embed_scale,
+            fastdora_out_dtype=_out_dtype(module, result),
+        )
+
+
+def _conv_variant(peft_name: str):
+    peft_cls = PEFT_CLASSES[peft_name]
+
+    class _V(peft_cls):
+        merge_safe = _merge_wrapper(peft_cls, "merge_safe")
+        merge_unsafe = _merge_wrapper(peft_cls, "merge_unsafe")
+        unmerge = _merge_wrapper(peft_cls, "unmerge")
+
+        @staticmethod
+        def forward(module, active_adapter, x, result, **kwargs):
+            mag = module.lora_magnitude_vector[active_adapter]
+            if not isinstance(mag, _FastDoraMixin):
+                return peft_cls.forward(module, active_adapter, x, result, **kwargs)
+            return FastDoraLinearVariant.forward(module, active_adapter, x, result, **kwargs)
+
+    _V.__name__ = _V.__qualname__ = "Fast" + peft_name
+    return _V
+
+
+FastDoraConv1dVariant = _conv_variant("DoraConv1dVariant")
+FastDoraConv2dVariant = _conv_variant("DoraConv2dVariant")
+FastDoraConv3dVariant = _conv_variant("DoraConv3dVariant")
+
+# PEFT class -> fastdora class (layers and variants), and back
+FAST_OF = {
+    PEFT_CLASSES["DoraLinearLayer"]: FastDoraLinearLayer,
+    PEFT_CLASSES["DoraEmbeddingLayer"]: FastDoraEmbeddingLayer,
+    PEFT_CLASSES["DoraConv1dLayer"]: FastDoraConv1dLayer,
+    PEFT_CLASSES["DoraConv2dLayer"]: FastDoraConv2dLayer,
+    PEFT_CLASSES["DoraConv3dLayer"]: FastDoraConv3dLayer,
+    PEFT_CLASSES["DoraLinearVariant"]: FastDoraLinearVariant,
+    PEFT_CLASSES["DoraEmbeddingVariant"]: FastDoraEmbeddingVariant,
+    PEFT_CLASSES["DoraConv1dVariant"]: FastDoraConv1dVariant,
+    PEFT_CLASSES["DoraConv2dVariant"]: FastDoraConv2dVariant,
+    PEFT_CLASSES["DoraConv3dVariant"]: FastDoraConv3dVariant,
+}
+PEFT_OF = {fast: peft for peft, fast in FAST_OF.items()}

@@ -1,0 +1,261 @@
+"""DoRA output composition: forward, backward and the autograd op.
+
+Math (see docs/ARCHITECTURE.md and dora-math.md)::
+
+    g     = m / max(norm, eps)                       fp32 (fp64 for fp64 inputs), once per row
+    plain form  (base_delta is None):
+        inner = (result - bias) + s * lora
+        y     = g * inner + bias
+    delta form  (base_delta given: PEFT's dropout path, base branch re-run on dropped x):
+        inner = base_delta + s * lora
+        y     = result + (g - 1) * base_delta + g * s * lora
+
+Backward (norm is detached)::
+
+    plain: d_result = g * dy            delta: d_result = dy, d_base_delta = (g - 1) * dy
+    d_lora = g * s * dy
+    dm     = sum_tokens(dy * inner) / max(norm, eps)
+    d_bias = (1 - g) * sum_tokens(dy)   (plain form only; the rest of the bias gradient flows through `result`)
+
+This module holds the exact PyTorch ("eager") implementation and the autograd Function. The Triton
+implementation in ``fastdora.kernels.compose`` provides ``compose_fwd`` / ``compose_bwd`` with the same signatures;
+``fastdora.dispatch`` chooses between them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import dispatch
+from ..stats import record
+
+__all__ = ["dora_compose", "compose_fwd_eager", "compose_bwd_eager", "acc_dtype_for", "magnitude_scale"]
+
+# tokens processed per chunk in the eager magnitude-gradient reduction (bounds fp32 temporaries)
+_EAGER_ROWS_PER_CHUNK = 4096
+
+
+def acc_dtype_for(*tensors: Optional[torch.Tensor]) -> torch.dtype:
+    """fp64 if any input is fp64, else fp32: the precision every path computes g and the composition in."""
+    for t in tensors:
+        if t is not None and t.dtype == torch.float64:
+            return torch.float64
+    return torch.float32
+
+
+def magnitude_scale(magnitude: torch.Tensor, norm: torch.Tensor, eps: float, acc: torch.dtype) -> torch.Tensor:
+    """g = m / max(norm, eps), in ``acc`` precision. The single definition every path uses."""
+    return magnitude.detach().reshape(-1).to(acc) / norm.detach().reshape(-1).to(acc).clamp_min(eps)
+
+
+def _view_shape(t: torch.Tensor, feature_dim: int) -> list[int]:
+    shape = [1] * t.dim()
+    shape[feature_dim] = -1
+    return shape
+
+
+def compose_fwd_eager(
+    result: torch.Tensor,
+    lora: torch.Tensor,
+    magnitude: torch.Tensor,
+    norm: torch.Tensor,
+    scale: float,
+    eps: float,
+    bias: Optional[torch.Tensor],
+    base_delta: Optional[torch.Tensor],
+    out_dtype: torch.dtype,
+    save_inner: bool,
+    feature_dim: int = -1,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Returns ``(y, inner)``; ``inner`` (in ``out_dtype``... see below) only when ``save_inner``.
+
+    ``inner`` is kept in the promoted dtype of ``result`` and ``lora`` (the activation dtype): it is the one
+    activation-sized tensor the magnitude gradient needs.
+    """
+    acc = acc_dtype_for(result, lora, magnitude)
+    vs = _view_shape(result, feature_dim)
+    g = magnitude_scale(magnitude, norm, eps, acc).view(vs)
+    lora_acc = lora.to(acc)
+    if base_delta is None:
+        p = result.to(acc)
+        if bias is not None:
+            b = bias.detach().to(acc).view(vs)
+            p = p - b
+        inner = p + scale * lora_acc
+        y = g * inner
+        if bias is not None:
+            y = y + b
+    else:
+        d = base_delta.to(acc)
+        inner = d + scale * lora_acc
+        # (g - 1) kept explicit: no cancellation when g is close to 1
+        y = result.to(acc) + (g - 1.0) * d + (g * scale) * lora_acc
+    saved = inner.to(torch.promote_types(result.dtype, lora.dtype)) if save_inner else None
+    return y.to(out_dtype), saved
+
+
+def compose_bwd_eager(
+    dy: torch.Tensor,
+    magnitude: torch.Tensor,
+    norm: torch.Tensor,
+    scale: float,
+    eps: float,
+    inner: Optional[torch.Tensor],
+    delta_form: bool,
+    result_dtype: torch.dtype,
+    lora_dtype: torch.dtype,
+    base_delta_dtype: Optional[torch.dtype],
+    need_dm: bool,
+    need_dbias: bool,
+    feature_dim: int = -1,
+):
+    """Returns ``(d_result, d_lora, d_base_delta, dm, d_bias)`` (``None`` where not needed)."""
+    acc = acc_dtype_for(dy, magnitude) if dy.dtype != torch.float64 else torch.float64
+    vs = _view_shape(dy, feature_dim)
+    g_flat = magnitude_scale(magnitude, norm, eps, acc)
+    g = g_flat.view(vs)
+    dy_acc = dy.to(acc)
+    d_lora = ((g * scale) * dy_acc).to(lora_dtype)
+    if delta_form:
+        d_result = dy.to(result_dtype)
+        d_base_delta = ((g - 1.0) * dy_acc).to(base_delta_dtype)
+    else:
+        d_result = (g * dy_acc).to(result_dtype)
+        d_base_delta = None
+    dm = None
+    if need_dm:
+        inv = 1.0 / norm.detach().reshape(-1).to(acc).clamp_min(eps)
+        dm = _rowsum_product(dy, inner, feature_dim, acc) * inv
+        dm = dm.to(magnitude.dtype).view(magnitude.shape)
+    d_bias = None
+    if need_dbias:
+        d_bias = (1.0 - g_flat) * _sum_tokens(dy_acc, feature_dim)
+    return d_result, d_lora, d_base_delta, dm, d_bias
+
+
+def _sum_tokens(t: torch.Tensor, feature_dim: int) -> torch.Tensor:
+    dims = [d for d in range(t.dim()) if d != (feature_dim % t.dim())]
+    return t.sum(dim=dims)
+
+
+def _rowsum_product(a: torch.Tensor, b: torch.Tensor, feature_dim: int, acc: torch.dtype) -> torch.Tensor:
+    """sum over every dim but ``feature_dim`` of a*b, accumulated in ``acc`` in bounded chunks."""
+    fd = feature_dim % a.dim()
+    a2 = a.movedim(fd, -1).reshape(-1, a.shape[fd])
+    b2 = b.movedim(fd, -1).reshape(-1, b.shape[fd])
+    out = torch.zeros(a2.shape[1], dtype=acc, device=a.device)
+    for start in range(0, a2.shape[0], _EAGER_ROWS_PER_CHUNK):
+        stop = start + _EAGER_ROWS_PER_CHUNK
+        out += (a2[start:stop].to(acc) * b2[start:stop].to(acc)).sum(0)
+    return out
+
+
+class _DoraCompose(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, result, lora, magnitude, norm, bias, base_delta, scale, eps, out_dtype, feature_dim, impl):
+        need_dm = magnitude.requires_grad
+        need_dbias = bias is not None and bias.requires_grad and base_delta is None
+        y, inner = impl.compose_fwd(
+            result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, need_dm, feature_dim
+        )
+        ctx.save_for_backward(magnitude, norm, inner if need_dm else None)
+        ctx.scale, ctx.eps, ctx.feature_dim, ctx.impl = scale, eps, feature_dim, impl
+        ctx.delta_form = base_delta is not None
+        ctx.dtypes = (result.dtype, lora.dtype, None if base_delta is None else base_delta.dtype)
+        ctx.need_dm, ctx.need_dbias = need_dm, need_dbias
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        magnitude, norm, inner = ctx.saved_tensors
+        result_dtype, lora_dtype, bd_dtype = ctx.dtypes
+        d_result, d_lora, d_bd, dm, d_bias = ctx.impl.compose_bwd(
+            dy.contiguous() if ctx.feature_dim == -1 else dy,
+            magnitude,
+            norm,
+            ctx.scale,
+            ctx.eps,
+            inner,
+            ctx.delta_form,
+            result_dtype,
+            lora_dtype,
+            bd_dtype,
+            ctx.need_dm and ctx.needs_input_grad[2],
+            ctx.need_dbias and ctx.needs_input_grad[4],
+            ctx.feature_dim,
+        )
+        if d_bias is not None:
+            d_bias = d_bias.to(ctx.bias_dtype)
+        return d_result, d_lora, dm, None, d_bias, d_bd, None, None, None, None, None
+
+
+class _EagerImpl:
+    name = "eager"
+
+    @staticmethod
+    def compose_fwd(result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, save_inner, feature_dim):
+        return compose_fwd_eager(
+            result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, save_inner, feature_dim
+        )
+
+    @staticmethod
+    def compose_bwd(dy, magnitude, norm, scale, eps, inner, delta_form, rd, ld, bd, need_dm, need_dbias, feature_dim):
+        return compose_bwd_eager(
+            dy, magnitude, norm, scale, eps, inner, delta_form, rd, ld, bd, need_dm, need_dbias, feature_dim
+        )
+
+
+EAGER = _EagerImpl()
+
+
+def dora_compose(
+    result: torch.Tensor,
+    lora: torch.Tensor,
+    magnitude: torch.Tensor,
+    norm: torch.Tensor,
+    scale: float,
+    eps: float,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    base_delta: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+    feature_dim: int = -1,
+    kernels: str = "auto",
+    kind: Optional[str] = None,
+) -> torch.Tensor:
+    """The final DoRA output (see module docstring). ``norm`` must be detached (fp32/fp64, shape ``[d_out]``).
+
+    ``out_dtype`` defaults to the promoted dtype of ``result``, ``lora`` and ``base_delta`` (what PEFT's
+    ``result + delta`` gives). ``kernels`` is ``"auto" | "triton" | "eager"``. ``kind`` (e.g. ``"linear"``) names the
+    layer kind in ``fastdora.stats.active_path_counter``.
+    """
+    if norm.requires_grad:
+        raise ValueError("fastdora: the weight norm must be detached (DoRA treats it as a constant)")
+    if out_dtype is None:
+        out_dtype = torch.promote_types(result.dtype, lora.dtype)
+        if base_delta is not None:
+            out_dtype = torch.promote_types(out_dtype, base_delta.dtype)
+    impl = dispatch.compose_impl(result, lora, magnitude, bias, base_delta, feature_dim, kernels)
+    if kind is not None:
+        record(f"{kind}:{impl.name}")
+    if impl is EAGER and not torch.is_grad_enabled():
+        y, _ = compose_fwd_eager(
+            result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, False, feature_dim
+        )
+        return y
+    return impl.apply(result, lora, magnitude, norm, bias, base_delta, scale, eps, out_dtype, feature_dim)
+
+
+def _apply_autograd(impl):
+    def apply(result, lora, magnitude, norm, bias, base_delta, scale, eps, out_dtype, feature_dim):
+        return _DoraCompose.apply(
+            result, lora, magnitude, norm, bias, base_delta, scale, eps, out_dtype, feature_dim, impl
+        )
+
+    return apply
+
+
+EAGER.apply = _apply_autograd(EAGER)
