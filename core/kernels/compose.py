@@ -1,7 +1,547 @@
-"""Triton composition kernels. PLACEHOLDER: filled in by the kernels work (issue 3)."""
-AVAILABLE = False
-TRITON = None
+"""Triton kernels for the DoRA output composition (forward, backward, deterministic magnitude-gradient reduction).
+
+Same math and signatures as ``fastdora.ops.compose`` (``compose_fwd_eager`` / ``compose_bwd_eager``); see that
+module's docstring. Design:
+
+- Activations are viewed as ``[M, N]`` rows (``N = d_out``, the last dim). A row stride is passed to the kernels, so
+  any layout whose last dim is unit-stride runs without a copy; row offsets are computed in int64 (tensors of
+  ``>= 2**31`` elements work).
+- Forward: one pass reading ``result``, ``lora`` (``bias``, ``base_delta``), writing ``y`` and, only when the
+  magnitude needs a gradient, ``inner``. All math in fp32 registers, one rounding per output.
+  ``g = m / max(norm, eps)`` is computed per column in fp32 with a correctly rounded division, which equals
+  ``magnitude_scale`` (PyTorch's CUDA division is correctly rounded too).
+- Backward: one pass reading ``dy`` (and ``inner``), writing ``d_result``, ``d_lora`` (``d_base_delta``) and a
+  per-row-block fp32 partial of ``sum_tokens(dy * inner)`` (and ``sum_tokens(dy)`` for the bias) into a
+  ``[n_row_blocks, N]`` buffer; a second small kernel sums the partials in a fixed order (no atomics: bitwise
+  deterministic for a given shape and GPU) and applies ``1 / max(norm, eps)``.
+- Block sizes are picked from the shape (no autotuning: the row split of the reduction must not depend on timing
+  runs, and there is no warm-up cost); the benchmark ``benchmarks/kernels_bench.py`` sweeps the alternatives.
+- fp64 inputs and layouts the kernels do not cover (broadcast operands, feature dim not last) take the exact eager
+  path.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from ..ops import compose as _ops
+
+try:  # pragma: no cover - exercised wherever triton is installed
+    import triton
+    import triton.language as tl
+
+    AVAILABLE = True
+except Exception:  # pragma: no cover
+    triton = None
+    tl = None
+    AVAILABLE = False
+
+__all__ = ["AVAILABLE", "TRITON", "worth_it", "CROSSOVER_NUMEL"]
+
+# Auto mode uses the kernels from this many elements of ``result`` on. Below it the eager PyTorch path is as fast
+# (launch latency dominates both). Measured on one H200 (torch 2.11, Triton 3.6) by
+# ``benchmarks/kernels_bench.py`` ("crossover" section of benchmarks/results/kernels_h200.json): the fused
+# forward+backward is faster than eager from the smallest size measured on, so the threshold only keeps
+# single-row decode-sized calls (where both paths are pure launch latency) on the exact eager path.
+CROSSOVER_NUMEL = 1 << 14
 
 
-def worth_it(result) -> bool:
-    return False
+def worth_it(result: torch.Tensor) -> bool:
+    """Auto-mode crossover: use the kernels for problems of at least ``CROSSOVER_NUMEL`` elements."""
+    return result.numel() >= CROSSOVER_NUMEL
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# kernels
+# --------------------------------------------------------------------------------------------------------------------
+
+if AVAILABLE:
+
+    @triton.jit
+    def _scale_g(mag_ptr, norm_ptr, cols, cmask, eps):
+        # g = m / max(norm, eps) in fp32, correctly rounded (== magnitude_scale); NaN norms propagate like clamp_min
+        m = tl.load(mag_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        n = tl.load(norm_ptr + cols, mask=cmask, other=1.0).to(tl.float32)
+        n = tl.maximum(n, eps, propagate_nan=tl.PropagateNan.ALL)
+        return tl.math.div_rn(m, n)
+
+    @triton.jit
+    def _cast_to(x, ptr, SOFT_BF16: tl.constexpr):
+        # fp32 -> the element type of ``ptr``, rounding to nearest even. SOFT_BF16 (CPU tensors, i.e. the Triton
+        # interpreter, whose fp32->bf16 cast truncates) does the bf16 rounding with integer ops, as the GPU does.
+        if ptr.dtype.element_ty == tl.float32:
+            return x
+        elif SOFT_BF16 and ptr.dtype.element_ty == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            return x.to(ptr.dtype.element_ty)
+
+    @triton.jit
+    def _dora_fwd_kernel(
+        res_ptr, lora_ptr, bd_ptr, bias_ptr, mag_ptr, norm_ptr, y_ptr, inner_ptr,
+        M, N,
+        stride_res, stride_lora, stride_bd, stride_y, stride_inner,
+        scale, eps,
+        HAS_BIAS: tl.constexpr, DELTA: tl.constexpr, SAVE_INNER: tl.constexpr, SOFT_BF16: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        mask = (rows < M)[:, None] & cmask[None, :]
+        g = _scale_g(mag_ptr, norm_ptr, cols, cmask, eps)[None, :]
+        r2 = rows[:, None]
+        c2 = cols[None, :]
+        res = tl.load(res_ptr + r2 * stride_res + c2, mask=mask, other=0.0).to(tl.float32)
+        lora = tl.load(lora_ptr + r2 * stride_lora + c2, mask=mask, other=0.0).to(tl.float32)
+        if DELTA:
+            d = tl.load(bd_ptr + r2 * stride_bd + c2, mask=mask, other=0.0).to(tl.float32)
+            inner = d + scale * lora
+            y = res + (g - 1.0) * d + (g * scale) * lora
+        else:
+            if HAS_BIAS:
+                b = tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+                res = res - b
+            inner = res + scale * lora
+            y = g * inner
+            if HAS_BIAS:
+                y = y + b
+        tl.store(y_ptr + r2 * stride_y + c2, _cast_to(y, y_ptr, SOFT_BF16), mask=mask)
+        if SAVE_INNER:
+            tl.store(inner_ptr + r2 * stride_inner + c2, _cast_to(inner, inner_ptr, SOFT_BF16), mask=mask)
+
+    @triton.jit
+    def _dora_bwd_kernel(
+        dy_ptr, inner_ptr, mag_ptr, norm_ptr,
+        dres_ptr, dlora_ptr, dbd_ptr, part_dm_ptr, part_db_ptr,
+        M, N, rows_per_prog,
+        stride_dy, stride_inner, stride_dres, stride_dlora, stride_dbd,
+        scale, eps,
+        DELTA: tl.constexpr, WRITE_DRES: tl.constexpr, WRITE_DLORA: tl.constexpr,
+        NEED_DM: tl.constexpr, NEED_DB: tl.constexpr, SOFT_BF16: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        g = _scale_g(mag_ptr, norm_ptr, cols, cmask, eps)[None, :]
+        gs = g * scale
+        c2 = cols[None, :]
+        # 2-D fp32 accumulators, reduced over rows once at the end (fixed order: deterministic)
+        acc_dm = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_db = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        row0 = pid_m.to(tl.int64) * rows_per_prog
+        for i in range(0, rows_per_prog, BLOCK_M):
+            rows = row0 + i + tl.arange(0, BLOCK_M).to(tl.int64)
+            r2 = rows[:, None]
+            mask = (rows < M)[:, None] & cmask[None, :]
+            dy = tl.load(dy_ptr + r2 * stride_dy + c2, mask=mask, other=0.0).to(tl.float32)
+            if WRITE_DLORA:
+                tl.store(dlora_ptr + r2 * stride_dlora + c2, _cast_to(gs * dy, dlora_ptr, SOFT_BF16), mask=mask)
+            if DELTA:
+                tl.store(dbd_ptr + r2 * stride_dbd + c2, _cast_to((g - 1.0) * dy, dbd_ptr, SOFT_BF16), mask=mask)
+                if WRITE_DRES:
+                    tl.store(dres_ptr + r2 * stride_dres + c2, _cast_to(dy, dres_ptr, SOFT_BF16), mask=mask)
+            else:
+                if WRITE_DRES:
+                    tl.store(dres_ptr + r2 * stride_dres + c2, _cast_to(g * dy, dres_ptr, SOFT_BF16), mask=mask)
+            if NEED_DM:
+                inner = tl.load(inner_ptr + r2 * stride_inner + c2, mask=mask, other=0.0).to(tl.float32)
+                acc_dm += dy * inner
+            if NEED_DB:
+                acc_db += dy
+        out = pid_m.to(tl.int64) * N + cols
+        if NEED_DM:
+            tl.store(part_dm_ptr + out, tl.sum(acc_dm, axis=0), mask=cmask)
+        if NEED_DB:
+            tl.store(part_db_ptr + out, tl.sum(acc_db, axis=0), mask=cmask)
+
+    @triton.jit
+    def _dora_reduce_kernel(
+        part_dm_ptr, part_db_ptr, mag_ptr, norm_ptr, dm_ptr, db_ptr,
+        n_parts, N, eps,
+        NEED_DM: tl.constexpr, NEED_DB: tl.constexpr, SOFT_BF16: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        # second stage: sum the per-row-block partials in a fixed order (deterministic)
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        acc_dm = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc_db = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for p in range(0, n_parts):
+            off = p * N.to(tl.int64) + cols
+            if NEED_DM:
+                acc_dm += tl.load(part_dm_ptr + off, mask=cmask, other=0.0)
+            if NEED_DB:
+                acc_db += tl.load(part_db_ptr + off, mask=cmask, other=0.0)
+        if NEED_DM:
+            n = tl.load(norm_ptr + cols, mask=cmask, other=1.0).to(tl.float32)
+            inv = tl.math.div_rn(1.0, tl.maximum(n, eps, propagate_nan=tl.PropagateNan.ALL))
+            tl.store(dm_ptr + cols, _cast_to(acc_dm * inv, dm_ptr, SOFT_BF16), mask=cmask)
+        if NEED_DB:
+            g = _scale_g(mag_ptr, norm_ptr, cols, cmask, eps)
+            tl.store(db_ptr + cols, (1.0 - g) * acc_db, mask=cmask)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# block-size heuristics
+# --------------------------------------------------------------------------------------------------------------------
+
+# benchmarks/kernels_bench.py may set these to sweep configurations: {"fwd": (BLOCK_M, BLOCK_N, warps), "bwd": ...}
+_CONFIG_OVERRIDE: dict = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # Triton interpreter (CPU tensors): few, large programs run fastest
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _fwd_config(M: int, N: int, device: torch.device) -> tuple[int, int, int]:
+    if "fwd" in _CONFIG_OVERRIDE:
+        return _CONFIG_OVERRIDE["fwd"]
+    block_n = min(_next_pow2(N), 1024)
+    block_m = max(1, min(_next_pow2(M), 8192 // block_n))
+    warps = 8 if block_m * block_n >= 8192 else 4
+    return block_m, block_n, warps
+
+
+def _bwd_config(M: int, N: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, rows_per_prog): depends only on the shape and the GPU model (deterministic)."""
+    if "bwd" in _CONFIG_OVERRIDE:
+        block_m, block_n, warps, target = _CONFIG_OVERRIDE["bwd"]
+    else:
+        block_n = min(_next_pow2(N), 256)
+        block_m = max(1, min(_next_pow2(M), 4096 // block_n))
+        warps = 8 if block_m * block_n >= 4096 else 4
+        target = 8  # programs per SM
+    n_col = -(-N // block_n)
+    tiles = -(-M // block_m)
+    row_blocks = max(1, min(tiles, (target * _num_sms(device)) // n_col))
+    tiles_per_prog = -(-tiles // row_blocks)
+    return block_m, block_n, warps, tiles_per_prog * block_m
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# launchers
+# --------------------------------------------------------------------------------------------------------------------
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _rows(t: torch.Tensor, N: int) -> torch.Tensor:
+    """``t`` as an ``[M, N]`` view with unit column stride (copies only when no such view exists)."""
+    if t.dim() == 0 or t.stride(-1) != 1:
+        t = t.contiguous()
+    t2 = t.reshape(-1, N)
+    if t2.stride(-1) != 1:  # pragma: no cover - reshape of a unit-stride last dim keeps it
+        t2 = t2.contiguous()
+    return t2
+
+
+def _vec(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).contiguous()
+
+
+def _kernel_ok(*tensors: Optional[torch.Tensor]) -> bool:
+    return all(t is None or t.dtype in _KERNEL_DTYPES for t in tensors)
+
+
+def compose_fwd(result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, save_inner, feature_dim=-1):
+    """Triton forward; same contract as ``compose_fwd_eager``."""
+    N = result.shape[-1] if result.dim() else 1
+    if (
+        result.dim() == 0
+        or feature_dim not in (-1, result.dim() - 1)
+        or lora.shape != result.shape
+        or (base_delta is not None and base_delta.shape != result.shape)
+        or (bias is not None and bias.numel() != N)
+        or magnitude.numel() != N
+        or norm.numel() != N
+        or not _kernel_ok(result, lora, base_delta, bias, magnitude, norm)
+        or out_dtype not in _KERNEL_DTYPES
+    ):
+        return _ops.compose_fwd_eager(
+            result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, save_inner, feature_dim
+        )
+    inner_dtype = torch.promote_types(result.dtype, lora.dtype)
+    y = torch.empty(result.shape, dtype=out_dtype, device=result.device)
+    inner = torch.empty(result.shape, dtype=inner_dtype, device=result.device) if save_inner else None
+    M = result.numel() // N if N else 0
+    if M == 0 or N == 0:
+        return y, inner
+    r2, l2 = _rows(result, N), _rows(lora, N)
+    d2 = _rows(base_delta, N) if base_delta is not None else r2
+    y2 = y.view(-1, N)
+    i2 = inner.view(-1, N) if inner is not None else y2
+    mag, nrm = _vec(magnitude), _vec(norm)
+    b = _vec(bias) if bias is not None else mag
+    block_m, block_n, warps = _fwd_config(M, N, result.device)
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    with torch.cuda.device(result.device) if result.is_cuda else _nullctx():
+        _dora_fwd_kernel[grid](
+            r2, l2, d2, b, mag, nrm, y2, i2,
+            M, N,
+            r2.stride(0), l2.stride(0), d2.stride(0), y2.stride(0), i2.stride(0),
+            float(scale), float(eps),
+            HAS_BIAS=bias is not None, DELTA=base_delta is not None, SAVE_INNER=save_inner,
+            SOFT_BF16=not result.is_cuda,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+        )
+    return y, inner
+
+
+def compose_bwd(
+    dy, magnitude, norm, scale, eps, inner, delta_form, result_dtype, lora_dtype, base_delta_dtype,
+    need_dm, need_dbias, feature_dim=-1, need_dresult=True, need_dlora=True,
+):
+    """Triton backward; same contract as ``compose_bwd_eager``. ``need_dresult`` / ``need_dlora`` (extra,
+    keyword-only in spirit) let the custom-op path skip outputs nobody asked for (returned as ``None``)."""
+    N = dy.shape[-1] if dy.dim() else 1
+    if (
+        dy.dim() == 0
+        or feature_dim not in (-1, dy.dim() - 1)
+        or magnitude.numel() != N
+        or norm.numel() != N
+        or (need_dm and (inner is None or inner.shape != dy.shape))
+        or not _kernel_ok(dy, magnitude, norm, inner)
+        or any(d is not None and d not in _KERNEL_DTYPES for d in (result_dtype, lora_dtype, base_delta_dtype))
+    ):
+        return _ops.compose_bwd_eager(
+            dy, magnitude, norm, scale, eps, inner, delta_form, result_dtype, lora_dtype, base_delta_dtype,
+            need_dm, need_dbias, feature_dim,
+        )
+    need_dbias = bool(need_dbias)
+    dev = dy.device
+    M = dy.numel() // N if N else 0
+    d_lora = torch.empty(dy.shape, dtype=lora_dtype, device=dev) if need_dlora else None
+    d_bd = torch.empty(dy.shape, dtype=base_delta_dtype, device=dev) if delta_form else None
+    if delta_form:
+        # d_result = dy: no kernel work when the dtype already matches (same as ``dy.to(result_dtype)``)
+        write_dres = need_dresult and dy.dtype != result_dtype
+        d_result = (dy if dy.dtype == result_dtype else None) if need_dresult else None
+    else:
+        write_dres = need_dresult
+        d_result = None
+    if write_dres:
+        d_result = torch.empty(dy.shape, dtype=result_dtype, device=dev)
+    dm = torch.empty(magnitude.shape, dtype=magnitude.dtype, device=dev) if need_dm else None
+    d_bias = torch.empty(N, dtype=torch.float32, device=dev) if need_dbias else None
+    if M == 0 or N == 0:
+        if dm is not None:
+            dm.zero_()
+        if d_bias is not None:
+            d_bias.zero_()
+        return d_result, d_lora, d_bd, dm, d_bias
+    dy2 = _rows(dy, N)
+    in2 = _rows(inner, N) if need_dm else dy2
+    dres2 = d_result.view(-1, N) if write_dres else dy2
+    dl2 = d_lora.view(-1, N) if d_lora is not None else dy2
+    dbd2 = d_bd.view(-1, N) if d_bd is not None else dy2
+    mag, nrm = _vec(magnitude), _vec(norm)
+    block_m, block_n, warps, rows_per_prog = _bwd_config(M, N, dev)
+    n_parts = triton.cdiv(M, rows_per_prog)
+    part_dm = torch.empty((n_parts, N), dtype=torch.float32, device=dev) if need_dm else mag
+    part_db = torch.empty((n_parts, N), dtype=torch.float32, device=dev) if need_dbias else mag
+    grid = (n_parts, triton.cdiv(N, block_n))
+    with torch.cuda.device(dev) if dy.is_cuda else _nullctx():
+        _dora_bwd_kernel[grid](
+            dy2, in2, mag, nrm,
+            dres2, dl2, dbd2, part_dm, part_db,
+            M, N, rows_per_prog,
+            dy2.stride(0), in2.stride(0), dres2.stride(0), dl2.stride(0), dbd2.stride(0),
+            float(scale), float(eps),
+            DELTA=bool(delta_form), WRITE_DRES=write_dres, WRITE_DLORA=d_lora is not None,
+            NEED_DM=bool(need_dm), NEED_DB=need_dbias, SOFT_BF16=not dy.is_cuda,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+        )
+        if need_dm or need_dbias:
+            rb = min(1024, _next_pow2(N))
+            _dora_reduce_kernel[(triton.cdiv(N, rb),)](
+                part_dm, part_db, mag, nrm,
+                dm if dm is not None else mag, d_bias if d_bias is not None else mag,
+                n_parts, N, float(eps),
+                NEED_DM=bool(need_dm), NEED_DB=need_dbias, SOFT_BF16=not dy.is_cuda, BLOCK_N=rb, num_warps=4,
+            )
+    return d_result, d_lora, d_bd, dm, d_bias
+
+
+class _nullctx:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# autograd: torch.library custom ops (torch.compile sees one opaque op per direction), plain Function otherwise
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _empty_like0(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    return t.new_empty((0,), dtype=dtype or t.dtype)
+
+
+def _define_ops() -> bool:
+    if not hasattr(torch.library, "custom_op") or not hasattr(torch.library, "register_fake"):
+        return False
+    try:
+        if hasattr(torch.ops, "fastdora") and hasattr(torch.ops.fastdora, "dora_compose_fwd"):
+            return True  # already registered (module imported under a second name)
+    except Exception:  # pragma: no cover
+        pass
+
+    @torch.library.custom_op("fastdora::dora_compose_fwd", mutates_args=())
+    def _fwd_op(
+        result: torch.Tensor,
+        lora: torch.Tensor,
+        magnitude: torch.Tensor,
+        norm: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        base_delta: Optional[torch.Tensor],
+        scale: float,
+        eps: float,
+        out_dtype: torch.dtype,
+        save_inner: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        y, inner = compose_fwd(result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, save_inner)
+        return y, (inner if inner is not None else _empty_like0(result, torch.promote_types(result.dtype, lora.dtype)))
+
+    @_fwd_op.register_fake
+    def _(result, lora, magnitude, norm, bias, base_delta, scale, eps, out_dtype, save_inner):
+        inner_dtype = torch.promote_types(result.dtype, lora.dtype)
+        y = result.new_empty(result.shape, dtype=out_dtype)
+        inner = result.new_empty(result.shape, dtype=inner_dtype) if save_inner else _empty_like0(result, inner_dtype)
+        return y, inner
+
+    @torch.library.custom_op("fastdora::dora_compose_bwd", mutates_args=())
+    def _bwd_op(
+        dy: torch.Tensor,
+        magnitude: torch.Tensor,
+        norm: torch.Tensor,
+        inner: torch.Tensor,
+        scale: float,
+        eps: float,
+        delta_form: bool,
+        result_dtype: torch.dtype,
+        lora_dtype: torch.dtype,
+        base_delta_dtype: torch.dtype,
+        need_dresult: bool,
+        need_dlora: bool,
+        need_dm: bool,
+        need_dbias: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        # delta form: d_result (= dy cast) is produced outside the op (an op output must not alias an input)
+        d_result, d_lora, d_bd, dm, d_bias = compose_bwd(
+            dy, magnitude, norm, scale, eps, inner if need_dm else None, delta_form, result_dtype, lora_dtype,
+            base_delta_dtype if delta_form else None, need_dm, need_dbias,
+            need_dresult=need_dresult and not delta_form, need_dlora=need_dlora,
+        )
+        if delta_form:
+            d_result = None
+        acc = torch.float64 if torch.float64 in (dy.dtype, magnitude.dtype) else torch.float32
+        # unneeded outputs: distinct empty tensors (custom-op outputs must not alias each other)
+        return tuple(t if t is not None else _empty_like0(dy, acc) for t in (d_result, d_lora, d_bd, dm, d_bias))
+
+    @_bwd_op.register_fake
+    def _(dy, magnitude, norm, inner, scale, eps, delta_form, result_dtype, lora_dtype, base_delta_dtype,
+          need_dresult, need_dlora, need_dm, need_dbias):
+        acc = torch.float64 if torch.float64 in (dy.dtype, magnitude.dtype) else torch.float32
+        n = dy.shape[-1]
+        return (
+            dy.new_empty(dy.shape, dtype=result_dtype) if need_dresult and not delta_form else _empty_like0(dy, acc),
+            dy.new_empty(dy.shape, dtype=lora_dtype) if need_dlora else _empty_like0(dy, acc),
+            dy.new_empty(dy.shape, dtype=base_delta_dtype) if delta_form else _empty_like0(dy, acc),
+            magnitude.new_empty(magnitude.shape) if need_dm else _empty_like0(dy, acc),
+            dy.new_empty((n,), dtype=acc) if need_dbias else _empty_like0(dy, acc),
+        )
+
+    def _setup_context(ctx, inputs, output):
+        result, lora, magnitude, norm, bias, base_delta, scale, eps, out_dtype, save_inner = inputs
+        _, inner = output
+        ctx.save_for_backward(magnitude, norm, inner)
+        ctx.scale, ctx.eps, ctx.save_inner = scale, eps, save_inner
+        ctx.delta_form = base_delta is not None
+        ctx.dtypes = (result.dtype, lora.dtype, base_delta.dtype if base_delta is not None else result.dtype)
+        ctx.has_bias = bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+
+    def _backward(ctx, dy, _d_inner):
+        magnitude, norm, inner = ctx.saved_tensors
+        rd, ld, bdd = ctx.dtypes
+        nig = ctx.needs_input_grad
+        need_dm = bool(nig[2]) and ctx.save_inner
+        need_dbias = bool(nig[4]) and ctx.has_bias and not ctx.delta_form
+        d_result, d_lora, d_bd, dm, d_bias = torch.ops.fastdora.dora_compose_bwd(
+            dy, magnitude, norm, inner, ctx.scale, ctx.eps, ctx.delta_form, rd, ld, bdd,
+            bool(nig[0]), bool(nig[1]), need_dm, need_dbias,
+        )
+        if ctx.delta_form:
+            d_result = dy.to(rd) if nig[0] else None
+        elif not nig[0]:
+            d_result = None
+        return (
+            d_result,
+            d_lora if nig[1] else None,
+            dm if need_dm else None,
+            None,
+            d_bias.to(ctx.bias_dtype) if need_dbias else None,
+            d_bd if (ctx.delta_form and nig[5]) else None,
+            None, None, None, None,
+        )
+
+    torch.library.register_autograd("fastdora::dora_compose_fwd", _backward, setup_context=_setup_context)
+    return True
+
+
+class _TritonImpl:
+    """Same interface as ``fastdora.ops.compose.EAGER``."""
+
+    name = "triton"
+
+    @staticmethod
+    def compose_fwd(result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, save_inner, feature_dim=-1):
+        return compose_fwd(result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, save_inner,
+                           feature_dim)
+
+    @staticmethod
+    def compose_bwd(dy, magnitude, norm, scale, eps, inner, delta_form, rd, ld, bd, need_dm, need_dbias,
+                    feature_dim=-1):
+        return compose_bwd(dy, magnitude, norm, scale, eps, inner, delta_form, rd, ld, bd, need_dm, need_dbias,
+                           feature_dim)
+
+
+TRITON = _TritonImpl() if AVAILABLE else None
+
+if AVAILABLE:
+    _apply_function = _ops._apply_autograd(TRITON)
+    try:
+        HAS_CUSTOM_OPS = _define_ops()
+    except Exception:  # pragma: no cover - old torch / registration failure: the autograd.Function still works
+        HAS_CUSTOM_OPS = False
+
+    def _apply(result, lora, magnitude, norm, bias, base_delta, scale, eps, out_dtype, feature_dim=-1):
+        """Autograd-aware composition. Under ``torch.compile`` it is one custom op per direction (no graph break);
+        in eager mode the equivalent ``autograd.Function`` (lower dispatch overhead)."""
+        if HAS_CUSTOM_OPS and torch.compiler.is_compiling():
+            save_inner = bool(magnitude.requires_grad and torch.is_grad_enabled())
+            y, _ = torch.ops.fastdora.dora_compose_fwd(
+                result, lora, magnitude, norm, bias, base_delta, float(scale), float(eps), out_dtype, save_inner
+            )
+            return y
+        return _apply_function(result, lora, magnitude, norm, bias, base_delta, scale, eps, out_dtype, feature_dim)
+
+    TRITON.apply = _apply

@@ -1,8 +1,271 @@
-"""Triton factored-norm kernel. PLACEHOLDER: filled in by the kernels work (issue 3)."""
+"""Triton factored DoRA row norm (same contract as ``fastdora.ops.norm.factored_norm_eager``).
+
+    ||W + sBA||^2_row = ||W||^2_row + 2s * rowsum(B * U) + s^2 * rowsum((B @ G) * B),  U = W A^T, G = A A^T
+
+Three launches per module, no temporaries beyond the fp32 results:
+
+1. ``_norm_gram_kernel`` over ``X = A``: ``G = A A^T`` ``[r, r]`` fp32.
+2. ``_norm_gram_kernel`` over ``X = W``: ``U = W A^T`` ``[d_out, r]`` fp32 and, unless a cached ``base_sq`` is given,
+   ``||W||^2`` per row, reading ``W`` once per rank tile in its storage dtype (any strides: transposed views work).
+3. ``_norm_combine_kernel``: ``norm = sqrt(max(base + 2s*rowsum(B*U) + s^2*rowsum((B G)*B), 0))``.
+
+Precision (everything accumulates in fp32):
+- bf16 ``W`` with fp32 ``A``: ``A`` is split in registers into ``hi + mid + lo`` (each bf16), three bf16 tensor-core
+  products (``W`` is exact in bf16, so ``U`` keeps ~24 bits of ``A``'s mantissa: fp32-level, like the eager path).
+- bf16/fp16 ``W`` with ``A`` of the same dtype: one tensor-core product (products are exact in fp32).
+- fp32 / fp16 ``W`` otherwise: fp32 operands with ``input_precision="tf32x3"`` (fp32-level accuracy on tensor cores;
+  fp16 values are exact in tf32).
+The working set is ``U`` + ``G`` + two ``[d_out]`` vectors: no fp32 copy of ``W``, no ``[d_out, d_in]`` temporary.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+try:  # pragma: no cover
+    import triton
+    import triton.language as tl
+
+    AVAILABLE = True
+except Exception:  # pragma: no cover
+    triton = None
+    tl = None
+    AVAILABLE = False
+
+__all__ = ["supports", "factored_norm_triton"]
+
+_W_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# dot modes of _norm_gram_kernel
+_MODE_FP32 = 0  # both operands to fp32, PREC input precision
+_MODE_SPLIT = 1  # half-precision X, fp32 A split into hi + mid + lo in X's dtype
+_MODE_HALF = 2  # half-precision X and A of the same dtype
+
+if AVAILABLE:
+
+    @triton.jit
+    def _norm_gram_kernel(
+        x_ptr, a_ptr, out_ptr, base_ptr,
+        ROWS, R, K,
+        stride_xr, stride_xk, stride_ar, stride_ak, stride_out,
+        NEED_BASE: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+        BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        # out[ROWS, R] = X[ROWS, K] @ A[R, K]^T (fp32 accumulation); base[ROWS] = rowsum(X^2) when NEED_BASE
+        pid = tl.program_id(0)
+        n_r = tl.cdiv(R, BLOCK_R)
+        pid_o = pid // n_r
+        pid_r = pid % n_r
+        offs_o = pid_o.to(tl.int64) * BLOCK_O + tl.arange(0, BLOCK_O).to(tl.int64)
+        offs_r = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+        omask = offs_o < ROWS
+        rmask = offs_r < R
+        acc = tl.zeros([BLOCK_O, BLOCK_R], dtype=tl.float32)
+        base = tl.zeros([BLOCK_O], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+            kmask = offs_k < K
+            x = tl.load(
+                x_ptr + offs_o[:, None] * stride_xr + offs_k[None, :] * stride_xk,
+                mask=omask[:, None] & kmask[None, :], other=0.0,
+            )
+            a = tl.load(
+                a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
+                mask=rmask[None, :] & kmask[:, None], other=0.0,
+            )
+            if NEED_BASE:
+                xf = x.to(tl.float32)
+                base += tl.sum(xf * xf, axis=1)
+            if UPCAST:
+                # Triton interpreter (CPU tensors): fp32 dot (its half-precision dot is unreliable); the products of
+                # the exact half-precision operands equal the tensor-core ones
+                if MODE == 1:
+                    a32 = a.to(tl.float32)
+                    hi = a32.to(x.dtype).to(tl.float32)
+                    r1 = a32 - hi
+                    mid = r1.to(x.dtype).to(tl.float32)
+                    lo = (r1 - mid).to(x.dtype).to(tl.float32)
+                    xf32 = x.to(tl.float32)
+                    acc = tl.dot(xf32, lo, acc, input_precision="ieee")
+                    acc = tl.dot(xf32, mid, acc, input_precision="ieee")
+                    acc = tl.dot(xf32, hi, acc, input_precision="ieee")
+                elif MODE == 2:
+                    acc = tl.dot(x.to(tl.float32), a.to(x.dtype).to(tl.float32), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(x.to(tl.float32), a.to(tl.float32), acc, input_precision="ieee")
+            else:
+                if MODE == 1:
+                    # A = hi + mid + lo in X's dtype (~24 mantissa bits): three tensor-core products
+                    a32 = a.to(tl.float32)
+                    hi = a32.to(x.dtype)
+                    r1 = a32 - hi.to(tl.float32)
+                    mid = r1.to(x.dtype)
+                    lo = (r1 - mid.to(tl.float32)).to(x.dtype)
+                    acc = tl.dot(x, lo, acc)
+                    acc = tl.dot(x, mid, acc)
+                    acc = tl.dot(x, hi, acc)
+                elif MODE == 2:
+                    acc = tl.dot(x, a.to(x.dtype), acc)
+                else:
+                    acc = tl.dot(x.to(tl.float32), a.to(tl.float32), acc, input_precision=PREC)
+        tl.store(
+            out_ptr + offs_o[:, None] * stride_out + offs_r[None, :], acc, mask=omask[:, None] & rmask[None, :]
+        )
+        if NEED_BASE:
+            if pid_r == 0:
+                tl.store(base_ptr + offs_o, base, mask=omask)
+
+    @triton.jit
+    def _norm_combine_kernel(
+        u_ptr, g_ptr, b_ptr, base_ptr, norm_ptr,
+        D, R,
+        stride_bo, stride_br,
+        two_s, s_sq,
+        PREC: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr,
+    ):
+        offs_o = tl.program_id(0).to(tl.int64) * BLOCK_O + tl.arange(0, BLOCK_O).to(tl.int64)
+        omask = offs_o < D
+        cross = tl.zeros([BLOCK_O], dtype=tl.float32)
+        quad = tl.zeros([BLOCK_O], dtype=tl.float32)
+        for j0 in range(0, R, BLOCK_R):
+            offs_j = j0 + tl.arange(0, BLOCK_R).to(tl.int64)
+            jmask = offs_j < R
+            m2 = omask[:, None] & jmask[None, :]
+            bj = tl.load(b_ptr + offs_o[:, None] * stride_bo + offs_j[None, :] * stride_br, mask=m2, other=0.0)
+            bj = bj.to(tl.float32)
+            uj = tl.load(u_ptr + offs_o[:, None] * R + offs_j[None, :], mask=m2, other=0.0)
+            cross += tl.sum(bj * uj, axis=1)
+            bg = tl.zeros([BLOCK_O, BLOCK_R], dtype=tl.float32)
+            for k0 in range(0, R, BLOCK_R):
+                offs_k = k0 + tl.arange(0, BLOCK_R).to(tl.int64)
+                kmask = offs_k < R
+                bk = tl.load(
+                    b_ptr + offs_o[:, None] * stride_bo + offs_k[None, :] * stride_br,
+                    mask=omask[:, None] & kmask[None, :], other=0.0,
+                ).to(tl.float32)
+                gk = tl.load(g_ptr + offs_k[:, None] * R + offs_j[None, :], mask=kmask[:, None] & jmask[None, :],
+                             other=0.0)
+                bg = tl.dot(bk, gk, bg, input_precision=PREC)
+            quad += tl.sum(bg * bj, axis=1)
+        base = tl.load(base_ptr + offs_o, mask=omask, other=0.0)
+        sq = base + two_s * cross + s_sq * quad
+        tl.store(norm_ptr + offs_o, tl.sqrt_rn(tl.maximum(sq, 0.0)), mask=omask)
 
 
-def supports(weight, lora_A, lora_B) -> bool:
-    return False
+def supports(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> bool:
+    """2-D CUDA operands of fp32/bf16/fp16 with matching shapes (fp64 and anything else: eager)."""
+    if not AVAILABLE:
+        return False
+    if weight.dim() != 2 or lora_A.dim() != 2 or lora_B.dim() != 2:
+        return False
+    d_out, d_in = weight.shape
+    r = lora_A.shape[0]
+    if lora_A.shape[1] != d_in or tuple(lora_B.shape) != (d_out, r) or min(d_out, d_in, r) == 0:
+        return False
+    if any(t.dtype not in _W_DTYPES for t in (weight, lora_A, lora_B)):
+        return False
+    return weight.device == lora_A.device == lora_B.device
 
 
-factored_norm_triton = None
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _gram_config(rows: int, R: int, device: torch.device, mode: int):
+    block_r = min(128, max(16, _next_pow2(R)))
+    block_k = 64 if mode != _MODE_FP32 else 32
+    n_r = -(-R // block_r)
+    block_o = 16
+    for cand in (128, 64, 32):
+        if -(-rows // cand) * n_r >= 2 * _num_sms(device):
+            block_o = cand
+            break
+    block_o = max(16, min(block_o, _next_pow2(rows)))
+    if block_o * block_r >= 128 * 128:
+        warps = 8
+    else:
+        warps = 4
+    return block_o, block_r, block_k, warps
+
+
+def _gram(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, base: Optional[torch.Tensor], upcast: bool) -> None:
+    rows, K = x.shape
+    R = a.shape[0]
+    if x.dtype == torch.float32 or x.dtype == torch.float16 and a.dtype != torch.float16:
+        mode = _MODE_FP32
+    elif a.dtype == x.dtype:
+        mode = _MODE_HALF
+    elif a.dtype == torch.float32:
+        mode = _MODE_SPLIT
+    else:  # bf16 W with fp16 A (or the reverse): exact in fp32 operands
+        mode = _MODE_FP32
+    block_o, block_r, block_k, warps = _gram_config(rows, R, x.device, mode)
+    grid = (triton.cdiv(rows, block_o) * triton.cdiv(R, block_r),)
+    _norm_gram_kernel[grid](
+        x, a, out, base if base is not None else out,
+        rows, R, K,
+        x.stride(0), x.stride(1), a.stride(0), a.stride(1), out.stride(0),
+        NEED_BASE=base is not None, MODE=mode, PREC="tf32x3", UPCAST=upcast,
+        BLOCK_O=block_o, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps, num_stages=3,
+    )
+
+
+def factored_norm_triton(
+    weight: torch.Tensor,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    scale: float,
+    base_sq: Optional[torch.Tensor] = None,
+    budget_bytes: int = 16 << 20,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``(norm, base_sq)``, both fp32 ``[d_out]``. ``budget_bytes`` is accepted for interface parity with
+    the eager path; the kernels never allocate more than ``U``, ``G`` and two ``[d_out]`` vectors."""
+    if not supports(weight, lora_A, lora_B):
+        from ..ops.norm import factored_norm_eager
+
+        return factored_norm_eager(weight, lora_A, lora_B, scale, base_sq, budget_bytes)
+    d_out, d_in = weight.shape
+    r = lora_A.shape[0]
+    dev = weight.device
+    upcast = not weight.is_cuda  # CPU tensors run only under the Triton interpreter
+    with torch.no_grad(), (torch.cuda.device(dev) if weight.is_cuda else _nullctx()):
+        W, A, B = weight.detach(), lora_A.detach(), lora_B.detach()
+        U = torch.empty((d_out, r), dtype=torch.float32, device=dev)
+        G = torch.empty((r, r), dtype=torch.float32, device=dev)
+        norm = torch.empty(d_out, dtype=torch.float32, device=dev)
+        need_base = base_sq is None
+        if need_base:
+            base = torch.empty(d_out, dtype=torch.float32, device=dev)
+        else:
+            base = base_sq.detach().reshape(-1).to(device=dev, dtype=torch.float32).contiguous()
+        _gram(A, A, G, None, upcast)
+        _gram(W, A, U, base if need_base else None, upcast)
+        block_r = min(64, max(16, _next_pow2(r)))
+        block_o = 64 if d_out >= 64 * _num_sms(dev) else 32
+        s = float(scale)
+        _norm_combine_kernel[(triton.cdiv(d_out, block_o),)](
+            U, G, B, base, norm,
+            d_out, r,
+            B.stride(0), B.stride(1),
+            2.0 * s, s * s,
+            PREC="tf32x3", BLOCK_O=block_o, BLOCK_R=block_r, num_warps=4,
+        )
+    return norm, base
+
+
+class _nullctx:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,311 @@
+"""Norm cache exactness (never stale), the factored path (no dense temporaries), legacy embedding compose, API."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fastdora
+from fastdora.ops.norm import factored_norm_eager
+from fastdora.stats import active_path_counter
+
+from .helpers import MLP, EmbModel, assert_close, make_pair, model_input
+
+F64 = torch.float64
+
+
+def _outputs_equal_after(mutate, name="mutation", model_fn=MLP, **kw):
+    """Apply the same mutation to both models after a first forward (which fills fastdora's cache)."""
+    ref, fast = make_pair(model_fn, dtype=F64, **kw)
+    x = model_input(ref.base_model.model, F64)
+    with torch.no_grad():
+        assert_close(fast(x), ref(x), F64, "before")
+        mutate(ref)
+        mutate(fast)
+        assert_close(fast(x), ref(x), F64, f"after {name}")
+    return ref, fast
+
+
+def _lin(m):
+    return m.base_model.model.lin0
+
+
+def test_norm_recomputed_after_optimizer_step():
+    def step(m):
+        with torch.enable_grad():
+            opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5)
+            m(model_input(m.base_model.model, F64)).sum().backward()
+            opt.step()
+
+    _outputs_equal_after(step, "optimizer step")
+
+
+def test_norm_recomputed_after_in_place_edits():
+    _outputs_equal_after(lambda m: _lin(m).lora_B["default"].weight.mul_(3.0), "in-place B edit")
+    _outputs_equal_after(lambda m: _lin(m).lora_A["default"].weight.add_(0.5), "in-place A edit")
+    _outputs_equal_after(lambda m: _lin(m).base_layer.weight.mul_(0.5), "in-place W edit")
+
+
+def test_norm_recomputed_after_load_state_dict():
+    donor, _ = make_pair(MLP, dtype=F64, seed=42, enable=False)
+    sd = donor.state_dict()
+    _outputs_equal_after(lambda m: m.load_state_dict(sd), "load_state_dict")
+
+
+def test_norm_recomputed_after_data_swap_and_scale_change():
+    def swap(m):
+        p = _lin(m).lora_B["default"].weight
+        p.data = p.data * 2.0  # storage swap, no version bump on the old tensor
+
+    _outputs_equal_after(swap, "parameter .data swap")
+
+    def rescale(m):
+        _lin(m).scaling["default"] = _lin(m).scaling["default"] * 1.7
+
+    _outputs_equal_after(rescale, "scale change")
+
+
+def test_norm_recomputed_after_dtype_move():
+    ref, fast = make_pair(MLP, dtype=F64)
+    x = model_input(ref.base_model.model, F64)
+    with torch.no_grad():
+        fast(x)
+        ref32, fast32 = ref.float(), fast.float()
+        assert_close(fast32(x.float()), ref32(x.float()), torch.float32, "after .float()")
+
+
+def test_cached_norm_equals_fresh_norm_and_is_reused():
+    ref, fast = make_pair(MLP, dtype=F64)
+    x = model_input(ref.base_model.model, F64)
+    active_path_counter.clear()
+    with torch.no_grad():
+        for _ in range(3):
+            fast(x)
+    assert active_path_counter["norm:computed"] == 2
+    assert active_path_counter["norm:cached"] == 4
+    lin = _lin(fast)
+    cached = lin.lora_magnitude_vector["default"]._fastdora_norm["default"][1]
+    w = lin.base_layer.weight
+    dense = torch.linalg.norm(w + lin.scaling["default"] * lin.lora_B["default"].weight @ lin.lora_A["default"].weight, dim=1)
+    torch.testing.assert_close(cached, dense, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("d_out,d_in,r", [(37, 53, 5), (64, 300, 16), (5, 1000, 3)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+def test_factored_norm_matches_dense_fp64(d_out, d_in, r, dtype):
+    g = torch.Generator().manual_seed(d_out)
+    W = torch.randn(d_out, d_in, generator=g).to(dtype)
+    A = (torch.randn(r, d_in, generator=g) / d_in**0.5).to(dtype)
+    B = torch.randn(d_out, r, generator=g).to(dtype)
+    s = 1.7
+    truth = torch.linalg.norm(W.double() + s * B.double() @ A.double(), dim=1)
+    for budget in (1 << 10, 1 << 24):  # many chunks and one chunk
+        norm, base = factored_norm_eager(W, A, B, s, None, budget)
+        tol = 1e-12 if dtype == torch.float64 else 2e-6  # fp32 accumulation even for bf16 inputs
+        torch.testing.assert_close(norm.double(), truth, rtol=tol, atol=tol)
+        norm2, _ = factored_norm_eager(W, A, B, s, base, budget)  # with the cached base term
+        torch.testing.assert_close(norm2, norm, rtol=tol, atol=tol)
+    # transposed (fan_in_fan_out / embedding) view
+    norm_t, _ = factored_norm_eager(W.t().contiguous().t(), A, B, s, None, 1 << 12)
+    torch.testing.assert_close(norm_t.double(), truth, rtol=tol, atol=tol)
+
+
+class _AllocRecorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.max_numel = 0
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_leaves
+
+        out = func(*args, **(kwargs or {}))
+        self.ops.add(str(func.overloadpacket))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            # count newly allocated storage only (views of the frozen weight are not temporaries)
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                self.max_numel = max(self.max_numel, t.untyped_storage().nbytes() // t.element_size())
+        return out
+
+
+@pytest.mark.parametrize("fan_in_fan_out", [False, True])
+def test_no_dense_temporary_and_no_eye(fan_in_fan_out):
+    """A DoRA forward+backward of a large layer creates no tensor of d_out*d_in elements and calls no eye."""
+    d_in, d_out, tokens = 2048, 1536, 8
+    torch.manual_seed(0)
+    if fan_in_fan_out:
+        from transformers.pytorch_utils import Conv1D
+
+        base = nn.Sequential(Conv1D(d_out, d_in))
+    else:
+        base = nn.Sequential(nn.Linear(d_in, d_out))
+    pristine = copy.deepcopy(base)
+    cfg = LoraConfig(r=8, target_modules=["0"], use_dora=True, init_lora_weights=False, fan_in_fan_out=fan_in_fan_out)
+    model = get_peft_model(base, cfg)
+    fastdora.enable(model, kernels="eager")
+    x = torch.randn(tokens, d_in, requires_grad=True)
+    rec = _AllocRecorder()
+    with rec:
+        model(x).sum().backward()
+    assert "aten.eye" not in rec.ops
+    # the largest tensor touched is the frozen weight itself; nothing new of that size is created
+    assert rec.max_numel < d_out * d_in, rec.max_numel
+    # and stock PEFT does create them (the test can fail)
+    ref = get_peft_model(pristine, cfg)
+    rec2 = _AllocRecorder()
+    with rec2:
+        ref(x).sum().backward()
+    assert "aten.eye" in rec2.ops and rec2.max_numel >= d_out * d_in
+
+
+# ------------------------------------------------------------------------------------------- legacy embedding
+
+
+def _legacy_peft_017_forward(model, x):
+    """The composition PEFT 0.13-0.17 used for DoRA embeddings: g * base + g * s * (embed(x, A) @ B), without
+    embed_scale on the DoRA part (0.18 added it). Computed here from the parameters, independently of fastdora."""
+    emb_layer = model.base_model.model.emb
+    base = emb_layer.base_layer
+    A = emb_layer.lora_embedding_A["default"]  # [r, num]
+    B = emb_layer.lora_embedding_B["default"]  # [dim, r]
+    s = emb_layer.scaling["default"]
+    m = emb_layer.lora_magnitude_vector["default"].weight
+    norm = torch.linalg.norm(base.weight.T + s * (B @ A), dim=1)  # per embedding dim
+    g = m / norm
+    base_out = base(x)
+    lora = nn.functional.embedding(x, A.T) @ B.T
+    h = g * base_out + g * lora * s
+    return model.base_model.model.head(h)
+
+
+def test_legacy_embedding_compose_reproduces_peft_017_outputs():
+    ref, _ = make_pair(functools.partial(EmbModel, scaled=True), dtype=F64, enable=False)
+    x = model_input(ref.base_model.model, F64)
+    legacy = copy.deepcopy(ref)
+    default = copy.deepcopy(ref)
+    fastdora.enable(legacy, kernels="eager", legacy_embedding_compose=True)
+    fastdora.enable(default, kernels="eager")
+    with torch.no_grad():
+        old = _legacy_peft_017_forward(ref, x)
+        assert_close(legacy(x), old, F64, "legacy switch vs PEFT 0.17 composition")
+        assert_close(default(x), ref(x), F64, "default vs installed PEFT")
+        assert not torch.allclose(default(x), old)  # embed_scale != 1: the two compositions really differ
+
+
+def test_legacy_switch_from_environment(monkeypatch):
+    monkeypatch.setenv("FASTDORA_LEGACY_EMBEDDING", "1")
+    assert fastdora.config.make_options().legacy_embedding_compose is True
+    monkeypatch.setenv("FASTDORA_LEGACY_EMBEDDING", "maybe")
+    with pytest.raises(ValueError, match="FASTDORA_LEGACY_EMBEDDING"):
+        fastdora.config.make_options()
+
+
+# ---------------------------------------------------------------------------------------------------- API
+
+
+def test_options_are_validated():
+    ref, fast = make_pair(MLP, enable=False)
+    with pytest.raises(TypeError, match="kernel"):
+        fastdora.enable(fast, kernel="eager")
+    with pytest.raises(ValueError, match="kernels"):
+        fastdora.enable(fast, kernels="cuda")
+    with pytest.raises(ValueError, match="legacy_embedding_compose"):
+        fastdora.enable(fast, legacy_embedding_compose="yes")
+    with pytest.raises(ValueError, match="norm_budget_mb"):
+        fastdora.enable(fast, norm_budget_mb=-1)
+    with pytest.raises(TypeError):
+        fastdora.enable(fast, "eager")  # options are keyword-only
+    with pytest.raises(TypeError, match="nn.Module"):
+        fastdora.enable(object())
+
+
+def test_enable_is_idempotent_and_disable_restores():
+    from peft.tuners.lora.dora import DoraLinearLayer
+    from peft.tuners.lora.variants import DoraLinearVariant
+
+    ref, fast = make_pair(MLP, enable=False)
+    r1 = fastdora.enable(fast)
+    r2 = fastdora.enable(fast)
+    assert r1.converted == {"linear": 2} and r2.total_converted == 0 and r2.already == 2
+    assert "converted 2" in str(r1)
+    x = model_input(ref.base_model.model, torch.float32)
+    assert fastdora.disable(fast) == 2
+    lin = _lin(fast)
+    assert type(lin.lora_magnitude_vector["default"]) is DoraLinearLayer
+    assert type(lin.lora_variant["default"]) is DoraLinearVariant
+    assert not any(k.startswith("_fastdora") for k in vars(lin.lora_magnitude_vector["default"]))
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), ref(x))
+
+
+def test_report_lists_unsupported_layers():
+    ref, fast = make_pair(MLP, enable=False)
+    fast.base_model.model.lin1.lora_variant["default"] = object()  # some other variant: stays on PEFT
+    report = fastdora.enable(fast)
+    assert report.converted == {"linear": 1}
+    assert len(report.skipped) == 1 and "lin1" in report.skipped[0][0]
+    assert "left on stock PEFT" in str(report)
+
+
+def test_model_without_dora_reports_nothing_converted():
+    model = get_peft_model(MLP(), LoraConfig(target_modules=["lin0"], use_dora=False))
+    report = fastdora.enable(model)
+    assert report.total_converted == 0 and report.dora_layers_found == 0
+
+
+def test_process_wide_mode_converts_new_layers_and_passes_peft_semantics():
+    from peft.tuners.lora import variants
+
+    try:
+        report = fastdora.enable()
+        assert report.process_wide and fastdora.process_wide_enabled()
+        torch.manual_seed(0)
+        model = get_peft_model(MLP(), LoraConfig(target_modules=["lin0", "lin1"], use_dora=True, init_lora_weights=False))
+        lin = _lin(model)
+        assert type(lin.lora_magnitude_vector["default"]).__name__ == "FastDoraLinearLayer"
+        assert type(lin.lora_variant["default"]).__name__ == "FastDoraLinearVariant"
+    finally:
+        fastdora.disable()
+    assert variants.DoraLinearVariant.__name__ == "DoraLinearVariant"
+    # the DoRA init (magnitude = norm at init) went through PEFT's own code: DoRA starts as identity
+    torch.manual_seed(0)
+    stock = get_peft_model(MLP(), LoraConfig(target_modules=["lin0", "lin1"], use_dora=True, init_lora_weights=False))
+    torch.testing.assert_close(
+        stock.base_model.model.lin0.lora_magnitude_vector["default"].weight, lin.lora_magnitude_vector["default"].weight
+    )
+
+
+def test_kill_switch_env():
+    code = (
+        "import torch, fastdora\n"
+        "from peft import LoraConfig, get_peft_model\n"
+        "m = get_peft_model(torch.nn.Sequential(torch.nn.Linear(4, 4)), LoraConfig(target_modules=['0'], use_dora=True))\n"
+        "r = fastdora.enable(m)\n"
+        "print(r.total_converted, r)\n"
+    )
+    env = dict(os.environ, FASTDORA="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.startswith("0 ") and "FASTDORA=0" in out
+
+
+def test_peft_style_direct_call_of_magnitude_module_matches_peft():
+    """Code that calls the magnitude module directly (PEFT's signature) gets PEFT's delta."""
+    ref, fast = make_pair(MLP, dtype=F64)
+    lr, lf = _lin(ref), _lin(fast)
+    x = torch.randn(3, 24, dtype=F64)
+    kw = lambda lin: dict(  # noqa: E731
+        lora_A=lin.lora_A["default"], lora_B=lin.lora_B["default"], scaling=lin.scaling["default"],
+        base_layer=lin.get_base_layer(), base_result=lin.get_base_layer()(x), adapter_name="default",
+    )
+    with torch.no_grad():
+        assert_close(lf.lora_magnitude_vector["default"](x, **kw(lf)), lr.lora_magnitude_vector["default"](x, **kw(lr)), F64)

@@ -1,0 +1,279 @@
+"""Triton kernels on a CUDA GPU (run on the H200: ``pytest -m gpu tests/test_kernels_gpu.py``).
+
+Correctness against the eager PyTorch path and an fp64 reference (precision envelope: kernel error <= 2x the eager
+error at the same dtype + a small floor), a >= 2**31-element tensor, fp64 gradcheck, bitwise determinism of the
+magnitude gradient, and torch.compile(fullgraph=True) without recompilation.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():  # pragma: no cover - CPU CI
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("triton")
+
+from fastdora import dispatch  # noqa: E402
+from fastdora.kernels import compose as kc  # noqa: E402
+from fastdora.kernels import norm as kn  # noqa: E402
+from fastdora.ops import compose as oc  # noqa: E402
+from fastdora.ops import norm as on  # noqa: E402
+
+DEV = "cuda"
+DTYPES = {
+    "fp32": (torch.float32, torch.float32, torch.float32),
+    "bf16": (torch.bfloat16, torch.bfloat16, torch.bfloat16),
+    "fp16": (torch.float16, torch.float16, torch.float16),
+    "amp": (torch.bfloat16, torch.bfloat16, torch.float32),  # bf16 activations, fp32 magnitude
+    "mixed": (torch.bfloat16, torch.float32, torch.float32),  # bf16 result + fp32 lora
+}
+SHAPES = [(1, 5), (7, 17), (33, 130), (257, 4099), (3, 11, 1000)]
+SCALE = 0.73
+FLOOR = {torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}
+
+
+def _eps(dt):
+    return 1e-12 if dt == torch.float32 else 1e-6
+
+
+def _rel(a, ref):
+    a, ref = a.double(), ref.double()
+    return ((a - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _envelope(k, e, ref, dtype, what):
+    assert torch.isfinite(k).all(), what
+    ek, ee = _rel(k, ref), _rel(e, ref)
+    assert ek <= 2 * ee + FLOOR[dtype], f"{what}: kernel rel err {ek:.3g} vs eager {ee:.3g}"
+
+
+def _inputs(shape, rdt, ldt, mdt, delta, bias, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    n = shape[-1]
+
+    def rnd(*s, dtype):
+        return torch.randn(*s, generator=g, device=DEV).to(dtype)
+
+    return dict(
+        result=rnd(*shape, dtype=rdt),
+        lora=rnd(*shape, dtype=ldt),
+        magnitude=(torch.rand(n, generator=g, device=DEV) + 0.5).to(mdt),
+        norm=torch.rand(n, generator=g, device=DEV) + 0.5,
+        bias=rnd(n, dtype=rdt) if bias else None,
+        base_delta=rnd(*shape, dtype=rdt) if delta else None,
+    )
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dname", list(DTYPES))
+@pytest.mark.parametrize("delta", [False, True], ids=["plain", "delta"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_compose_matches_eager_and_fp64(shape, dname, delta, bias):
+    rdt, ldt, mdt = DTYPES[dname]
+    t = _inputs(shape, rdt, ldt, mdt, delta, bias)
+    out_dtype = torch.promote_types(rdt, ldt)
+    eps = _eps(rdt)
+    args = (t["result"], t["lora"], t["magnitude"], t["norm"], SCALE, eps, t["bias"], t["base_delta"], out_dtype)
+    yk, ik = kc.TRITON.compose_fwd(*args, True)
+    ye, ie = oc.compose_fwd_eager(*args, True)
+    t64 = {k: (v.double() if v is not None else None) for k, v in t.items()}
+    yr, ir = oc.compose_fwd_eager(t64["result"], t64["lora"], t64["magnitude"], t64["norm"], SCALE, eps,
+                                  t64["bias"], t64["base_delta"], torch.float64, True)
+    assert yk.dtype == ye.dtype and ik.dtype == ie.dtype and yk.shape == ye.shape
+    _envelope(yk, ye, yr, out_dtype, "y")
+    _envelope(ik, ie, ir, ie.dtype, "inner")
+    dy = torch.randn(shape, device=DEV).to(out_dtype)
+    bdt = rdt if delta else None
+    gk = kc.TRITON.compose_bwd(dy, t["magnitude"], t["norm"], SCALE, eps, ik, delta, rdt, ldt, bdt, True, bias)
+    ge = oc.compose_bwd_eager(dy, t["magnitude"], t["norm"], SCALE, eps, ie, delta, rdt, ldt, bdt, True, bias)
+    gr = oc.compose_bwd_eager(dy.double(), t64["magnitude"], t64["norm"], SCALE, eps, ir, delta, torch.float64,
+                              torch.float64, torch.float64 if delta else None, True, bias)
+    for name, a, b, r in zip(("d_result", "d_lora", "d_base_delta", "dm", "d_bias"), gk, ge, gr):
+        if b is None:
+            assert a is None, name
+            continue
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        _envelope(a, b, r, a.dtype if a.dtype in FLOOR else torch.float32, name)
+
+
+def test_strided_layouts():
+    big = torch.randn(64, 40, 300, device=DEV, dtype=torch.bfloat16)
+    result = big[:, :, 7:207]  # strided rows, unit last dim
+    lora = torch.randn(64, 200, 40, device=DEV, dtype=torch.bfloat16).transpose(1, 2)  # copied
+    mag, nrm = torch.rand(200, device=DEV) + 0.5, torch.rand(200, device=DEV) + 0.5
+    yk, ik = kc.TRITON.compose_fwd(result, lora, mag, nrm, SCALE, 1e-6, None, None, torch.bfloat16, True)
+    ye, ie = oc.compose_fwd_eager(result, lora, mag, nrm, SCALE, 1e-6, None, None, torch.bfloat16, True)
+    torch.testing.assert_close(yk, ye, rtol=2 ** -7, atol=1e-3)
+    dy = torch.randn(64, 200, 40, device=DEV, dtype=torch.bfloat16).transpose(1, 2)
+    gk = kc.TRITON.compose_bwd(dy, mag, nrm, SCALE, 1e-6, ik, False, torch.bfloat16, torch.bfloat16, None, True,
+                               False)
+    ge = oc.compose_bwd_eager(dy, mag, nrm, SCALE, 1e-6, ie, False, torch.bfloat16, torch.bfloat16, None, True,
+                              False)
+    for a, b in zip(gk[:2], ge[:2]):
+        torch.testing.assert_close(a, b, rtol=2 ** -7, atol=1e-3)
+    torch.testing.assert_close(gk[3], ge[3], rtol=1e-4, atol=1e-3)
+
+
+def test_more_than_2pow31_elements():
+    N = 4096
+    M = (1 << 31) // N + 3  # > 2**31 elements per tensor
+    free, _ = torch.cuda.mem_get_info()
+    if free < 40 * (1 << 30):
+        pytest.skip("needs ~40 GB free GPU memory")
+    g = torch.Generator(device=DEV).manual_seed(0)
+    result = torch.randn(M, N, device=DEV, generator=g, dtype=torch.bfloat16)
+    lora = torch.randn(M, N, device=DEV, generator=g, dtype=torch.bfloat16)
+    mag = torch.rand(N, device=DEV) + 0.5
+    nrm = torch.rand(N, device=DEV) + 0.5
+    y, inner = kc.TRITON.compose_fwd(result, lora, mag, nrm, SCALE, 1e-6, None, None, torch.bfloat16, True)
+    for sl in (slice(0, 64), slice(M - 64, M)):  # the tail lies past 2**31 elements
+        ye, ie = oc.compose_fwd_eager(result[sl], lora[sl], mag, nrm, SCALE, 1e-6, None, None, torch.bfloat16, True)
+        torch.testing.assert_close(y[sl], ye, rtol=2 ** -7, atol=1e-2)
+        torch.testing.assert_close(inner[sl], ie, rtol=2 ** -7, atol=1e-2)
+    del result
+    dy = lora  # reuse the memory: any values do
+    d_res, d_lora, _, dm, _ = kc.TRITON.compose_bwd(dy, mag, nrm, SCALE, 1e-6, inner, False, torch.bfloat16,
+                                                    torch.bfloat16, None, True, False)
+    for sl in (slice(0, 64), slice(M - 64, M)):
+        de = oc.compose_bwd_eager(dy[sl], mag, nrm, SCALE, 1e-6, inner[sl], False, torch.bfloat16,
+                                  torch.bfloat16, None, False, False)
+        torch.testing.assert_close(d_res[sl], de[0], rtol=2 ** -7, atol=1e-2)
+        torch.testing.assert_close(d_lora[sl], de[1], rtol=2 ** -7, atol=1e-2)
+    del d_res, d_lora
+    dm_ref = torch.zeros(N, device=DEV, dtype=torch.float64)
+    for s0 in range(0, M, 65536):
+        dm_ref += (dy[s0:s0 + 65536].double() * inner[s0:s0 + 65536].double()).sum(0)
+    dm_ref /= nrm.double()
+    assert _rel(dm, dm_ref) < 1e-5
+
+
+def test_fp64_gradcheck_through_dispatch():
+    # the kernels accumulate in fp32; fp64 inputs take the exact eager path inside TRITON: gradcheck that path
+    nrm = torch.rand(6, device=DEV, dtype=torch.float64) + 0.5
+    b = torch.randn(6, device=DEV, dtype=torch.float64)
+
+    def mk(*shape):
+        return torch.randn(*shape, device=DEV, dtype=torch.float64, requires_grad=True)
+
+    m = (torch.rand(6, device=DEV, dtype=torch.float64) + 0.5).requires_grad_(True)
+
+    def plain(r, lo, m):
+        return oc.dora_compose(r, lo, m, nrm, SCALE, 1e-12, bias=b, kernels="triton")
+
+    def delta(r, lo, m, bd):
+        return oc.dora_compose(r, lo, m, nrm, SCALE, 1e-12, base_delta=bd, kernels="triton")
+
+    assert torch.autograd.gradcheck(plain, (mk(3, 4, 6), mk(3, 4, 6), m))
+    assert torch.autograd.gradcheck(delta, (mk(3, 4, 6), mk(3, 4, 6), m, mk(3, 4, 6)))
+
+
+def test_gradcheck_fp32_kernel_against_fp64():
+    # fp32 kernels: analytic gradients of the kernel path vs fp64 autograd of the reference formula
+    t = _inputs((5, 9, 33), torch.float32, torch.float32, torch.float32, False, True, seed=11)
+    r, lo = t["result"].requires_grad_(True), t["lora"].requires_grad_(True)
+    m = t["magnitude"].clone().requires_grad_(True)
+    y = kc.TRITON.apply(r, lo, m, t["norm"], t["bias"], None, SCALE, 1e-12, torch.float32, -1)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    r64, lo64 = t["result"].double().requires_grad_(True), t["lora"].double().requires_grad_(True)
+    m64 = t["magnitude"].double().requires_grad_(True)
+    g = m64 / t["norm"].double()
+    b = t["bias"].double()
+    y64 = g * (r64 - b + SCALE * lo64) + b
+    y64.backward(dy.double())
+    for a, ref in ((r.grad, r64.grad), (lo.grad, lo64.grad), (m.grad, m64.grad), (y, y64)):
+        assert _rel(a, ref) < 1e-6
+
+
+def test_dm_bitwise_deterministic():
+    t = _inputs((8192, 4096), torch.bfloat16, torch.bfloat16, torch.float32, False, False, seed=2)
+    _, inner = kc.TRITON.compose_fwd(t["result"], t["lora"], t["magnitude"], t["norm"], SCALE, 1e-6, None, None,
+                                     torch.bfloat16, True)
+    dy = torch.randn(8192, 4096, device=DEV, dtype=torch.bfloat16)
+    outs = [
+        kc.TRITON.compose_bwd(dy, t["magnitude"], t["norm"], SCALE, 1e-6, inner, False, torch.bfloat16,
+                              torch.bfloat16, None, True, True)
+        for _ in range(4)
+    ]
+    for o in outs[1:]:
+        assert torch.equal(o[3], outs[0][3]) and torch.equal(o[4], outs[0][4])
+
+
+def test_torch_compile_fullgraph_no_recompile():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    N = 256
+    mag = (torch.rand(N, device=DEV) + 0.5).requires_grad_(True)
+    nrm = torch.rand(N, device=DEV) + 0.5
+    W = torch.randn(N, N, device=DEV, dtype=torch.bfloat16)
+    A = torch.nn.Parameter(torch.randn(16, N, device=DEV) * 0.05)
+    B = torch.nn.Parameter(torch.randn(N, 16, device=DEV) * 0.05)
+
+    def layer(x):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            result = x @ W.t()
+            lora = (x @ A.t()) @ B.t()
+            return oc.dora_compose(result, lora, mag, nrm, 0.5, 1e-6, kernels="triton")
+
+    compiled = torch.compile(layer, fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for step in range(3):
+            x = torch.randn(4, 64, N, device=DEV, dtype=torch.bfloat16)
+            y = compiled(x)
+            y.float().square().mean().backward()
+            ye = layer(x)
+            torch.testing.assert_close(y, ye, rtol=2 ** -7, atol=1e-2)
+    assert mag.grad is not None and A.grad is not None
+
+
+def test_dispatch_picks_triton_on_cuda():
+    t = _inputs((512, 1024), torch.bfloat16, torch.bfloat16, torch.float32, False, False)
+    impl = dispatch.compose_impl(t["result"], t["lora"], t["magnitude"], None, None, -1, "auto")
+    assert impl is kc.TRITON
+    assert dispatch.compose_impl(t["result"], t["lora"], t["magnitude"], None, None, -1, "eager") is oc.EAGER
+
+
+# ------------------------------------------------------------------------------------------------------- norm
+
+NORM_CASES = [(5, 7, 3), (130, 70, 8), (1000, 777, 20), (4096, 4096, 384), (2048, 8192, 64)]
+NORM_DTYPES = {
+    "fp32": (torch.float32, torch.float32),
+    "bf16W_fp32AB": (torch.bfloat16, torch.float32),
+    "fp16W_fp32AB": (torch.float16, torch.float32),
+    "bf16": (torch.bfloat16, torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("case", NORM_CASES, ids=str)
+@pytest.mark.parametrize("dname", list(NORM_DTYPES))
+@pytest.mark.parametrize("transposed", [False, True], ids=["W", "Wt"])
+def test_factored_norm_gpu(case, dname, transposed):
+    d_out, d_in, r = case
+    wdt, adt = NORM_DTYPES[dname]
+    g = torch.Generator(device=DEV).manual_seed(d_out + r)
+    W = (torch.randn(d_out, d_in, generator=g, device=DEV) / d_in ** 0.5).to(wdt)
+    if transposed:
+        W = W.t().contiguous().t()
+    A = (torch.randn(r, d_in, generator=g, device=DEV) / d_in ** 0.5).to(adt)
+    B = (torch.randn(d_out, r, generator=g, device=DEV) * 0.3).to(adt)
+    s = 1.3
+    assert kn.supports(W, A, B)
+    nk, bk = kn.factored_norm_triton(W, A, B, s)
+    ne, be = on.factored_norm_eager(W, A, B, s)
+    dense = torch.linalg.norm(W.double() + s * B.double() @ A.double(), dim=1)
+    _envelope(nk, ne, dense, torch.float32, "norm")
+    _envelope(bk, be, W.double().square().sum(1), torch.float32, "base_sq")
+    nk2, _ = kn.factored_norm_triton(W, A, B, s, base_sq=be)
+    _envelope(nk2, ne, dense, torch.float32, "norm cached base")
+
+
+def test_norm_dispatch_and_fp64():
+    W = torch.randn(64, 48, device=DEV, dtype=torch.float64)
+    A = torch.randn(4, 48, device=DEV, dtype=torch.float64)
+    B = torch.randn(64, 4, device=DEV, dtype=torch.float64)
+    assert dispatch.norm_impl(W, A, B, "auto") is on.factored_norm_eager
+    assert dispatch.norm_impl(W.float(), A.float(), B.float(), "auto") is kn.factored_norm_triton

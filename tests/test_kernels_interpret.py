@@ -1,0 +1,298 @@
+"""The Triton kernels, run on CPU tensors by Triton's interpreter (``TRITON_INTERPRET=1``).
+
+``TRITON_INTERPRET`` must be set before Triton is imported, and other test modules share the pytest process, so
+this module re-runs itself in a subprocess with the variable set: in the parent process it holds a single test
+(``test_interpreter_suite``); in the child, the real tests below.
+
+Odd shapes, fp32 / bf16 / fp16 / mixed (bf16 result + fp32 lora), plain and delta form, with and without bias; every
+output and gradient is compared with the eager PyTorch reference (``fastdora.ops``) and an fp64 reference.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+_INNER = os.environ.get("TRITON_INTERPRET") == "1"
+
+if not _INNER:
+
+    def test_interpreter_suite():
+        pytest.importorskip("triton")
+        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", os.path.abspath(__file__)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert proc.returncode == 0, f"interpreter suite failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
+
+else:
+    pytest.importorskip("triton")
+    from fastdora.kernels import compose as kc
+    from fastdora.kernels import norm as kn
+    from fastdora.ops import compose as oc
+    from fastdora.ops import norm as on
+
+    # (result dtype, lora dtype)
+    DTYPES = {
+        "fp32": (torch.float32, torch.float32),
+        "bf16": (torch.bfloat16, torch.bfloat16),
+        "fp16": (torch.float16, torch.float16),
+        "mixed": (torch.bfloat16, torch.float32),
+    }
+    SHAPES = [(1, 5), (7, 17), (33, 130), (2, 3, 17)]
+    SCALE = 0.73
+
+    def _eps(dt):
+        return 1e-12 if dt in (torch.float32, torch.float64) else 1e-6
+
+    def _rel(a, ref):
+        a, ref = a.double(), ref.double()
+        return ((a - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+    def _envelope(k, e, ref, dtype, what):
+        """kernel error vs the fp64 reference <= 2x the eager error + a floor of a few output-dtype ulps"""
+        floor = {torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3, torch.float64: 1e-12}[dtype]
+        assert torch.isfinite(k.double()).all(), what
+        ek, ee = _rel(k, ref), _rel(e, ref)
+        assert ek <= 2 * ee + floor, f"{what}: kernel rel err {ek:.3g} vs eager {ee:.3g}"
+
+    def _close_to_eager(k, e, dtype, what):
+        # one rounding of the output dtype apart at most (FMA contraction may flip a final rounding)
+        tol = {torch.float32: 2e-6, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10, torch.float64: 1e-12}[dtype]
+        torch.testing.assert_close(k.double(), e.double(), rtol=tol, atol=tol * 1e-3 + 1e-30, msg=what)
+
+    def _close_reduction(k, e, what):
+        # sums over tokens: a different (fixed) summation order; compare relative to the largest magnitude
+        scale = e.double().abs().max().clamp_min(1e-30)
+        err = (k.double() - e.double()).abs().max() / scale
+        assert err <= 1e-5, f"{what}: {err:.3g}"
+
+    def _inputs(shape, rdt, ldt, delta, bias, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        n = shape[-1]
+
+        def rnd(*s, dtype=torch.float32):
+            return torch.randn(*s, generator=gen).to(dtype)
+
+        t = dict(
+            result=rnd(*shape, dtype=rdt),
+            lora=rnd(*shape, dtype=ldt),
+            magnitude=(torch.rand(n, generator=gen) + 0.5),
+            norm=(torch.rand(n, generator=gen) + 0.5),
+            bias=rnd(n, dtype=rdt) if bias else None,
+            base_delta=rnd(*shape, dtype=rdt) if delta else None,
+        )
+        return t
+
+    @pytest.mark.parametrize("shape", SHAPES, ids=str)
+    @pytest.mark.parametrize("dname", list(DTYPES))
+    @pytest.mark.parametrize("delta", [False, True], ids=["plain", "delta"])
+    @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+    def test_compose_fwd_bwd(shape, dname, delta, bias):
+        rdt, ldt = DTYPES[dname]
+        t = _inputs(shape, rdt, ldt, delta, bias)
+        out_dtype = torch.promote_types(rdt, ldt)
+        eps = _eps(rdt)
+        args = (t["result"], t["lora"], t["magnitude"], t["norm"], SCALE, eps, t["bias"], t["base_delta"], out_dtype)
+        yk, ik = kc.TRITON.compose_fwd(*args, True)
+        ye, ie = oc.compose_fwd_eager(*args, True)
+        t64 = {k: (v.double() if v is not None else None) for k, v in t.items()}
+        yr, ir = oc.compose_fwd_eager(
+            t64["result"], t64["lora"], t64["magnitude"], t64["norm"], SCALE, eps, t64["bias"], t64["base_delta"],
+            torch.float64, True,
+        )
+        assert yk.dtype == ye.dtype and yk.shape == ye.shape and ik.dtype == ie.dtype
+        _close_to_eager(yk, ye, out_dtype, "y")
+        _close_to_eager(ik, ie, ie.dtype, "inner")
+        _envelope(yk, ye, yr, out_dtype, "y")
+        _envelope(ik, ie, ir, ie.dtype, "inner")
+        # no save_inner: inner is None and y is identical
+        yk2, ik2 = kc.TRITON.compose_fwd(*args, False)
+        assert ik2 is None and torch.equal(yk2, yk)
+
+        gen = torch.Generator().manual_seed(1)
+        dy = torch.randn(*shape, generator=gen).to(out_dtype)
+        bdt = rdt if delta else None
+        bargs = (dy, t["magnitude"], t["norm"], SCALE, eps, ie, delta, rdt, ldt, bdt, True, bias)
+        gk = kc.TRITON.compose_bwd(*bargs)
+        ge = oc.compose_bwd_eager(*bargs)
+        gr = oc.compose_bwd_eager(
+            dy.double(), t64["magnitude"], t64["norm"], SCALE, eps, ir, delta, torch.float64, torch.float64,
+            torch.float64 if delta else None, True, bias,
+        )
+        for name, a, b, r in zip(("d_result", "d_lora", "d_base_delta", "dm", "d_bias"), gk, ge, gr):
+            if b is None:
+                assert a is None, name
+                continue
+            assert a.dtype == b.dtype and a.shape == b.shape, name
+            if name in ("dm", "d_bias"):
+                _close_reduction(a, b, name)
+                _envelope(a, b, r, torch.float32, name)
+            else:
+                _close_to_eager(a, b, a.dtype, name)
+                _envelope(a, b, r, a.dtype, name)
+
+    @pytest.mark.parametrize("dname", ["fp32", "bf16", "mixed"])
+    @pytest.mark.parametrize("delta", [False, True], ids=["plain", "delta"])
+    def test_apply_autograd_matches_eager(dname, delta):
+        rdt, ldt = DTYPES[dname]
+        shape = (3, 5, 17)
+        grads = {}
+        for impl in ("triton", "eager"):
+            t = _inputs(shape, rdt, ldt, delta, True, seed=3)
+            for k in ("result", "lora", "base_delta"):
+                if t[k] is not None:
+                    t[k].requires_grad_(True)
+            mag = t["magnitude"].clone().requires_grad_(True)
+            fn = kc.TRITON.apply if impl == "triton" else oc.EAGER.apply
+            y = fn(t["result"], t["lora"], mag, t["norm"], t["bias"], t["base_delta"], SCALE, _eps(rdt),
+                   torch.promote_types(rdt, ldt), -1)
+            dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(4)).to(y.dtype)
+            y.backward(dy)
+            grads[impl] = [y] + [t[k].grad for k in ("result", "lora")] + [mag.grad]
+            if delta:
+                grads[impl].append(t["base_delta"].grad)
+        for i, (a, b) in enumerate(zip(grads["triton"], grads["eager"])):
+            if i == 3:
+                _close_reduction(a, b, "apply dm")
+            else:
+                _close_to_eager(a, b, a.dtype, "apply")
+
+    def test_noncontiguous_layouts():
+        base = torch.randn(4, 9, 40)
+        result = base[:, :, 3:20]  # row stride 40, unit last dim: strided rows, no copy
+        lora = torch.randn(17, 36).t().reshape(4, 9, 17)  # last dim not unit stride: copied
+        lora_nc = torch.randn(4, 17, 9).transpose(1, 2)
+        mag, nrm = torch.rand(17) + 0.5, torch.rand(17) + 0.5
+        for lo in (lora, lora_nc):
+            yk, ik = kc.TRITON.compose_fwd(result, lo, mag, nrm, SCALE, 1e-12, None, None, torch.float32, True)
+            ye, ie = oc.compose_fwd_eager(result, lo, mag, nrm, SCALE, 1e-12, None, None, torch.float32, True)
+            _close_to_eager(yk, ye, torch.float32, "y strided")
+            dy = torch.randn(4, 17, 9).transpose(1, 2)
+            gk = kc.TRITON.compose_bwd(dy, mag, nrm, SCALE, 1e-12, ik, False, torch.float32, torch.float32, None,
+                                       True, False)
+            ge = oc.compose_bwd_eager(dy, mag, nrm, SCALE, 1e-12, ie, False, torch.float32, torch.float32, None,
+                                      True, False)
+            for a, b in zip(gk[:3], ge[:3]):
+                if b is not None:
+                    _close_to_eager(a, b, torch.float32, "grad strided")
+            _close_reduction(gk[3], ge[3], "dm strided")
+
+    def test_multi_tile_reduction_and_determinism(monkeypatch):
+        # small tiles: several row tiles per program and several partials in the second stage
+        monkeypatch.setitem(kc._CONFIG_OVERRIDE, "bwd", (2, 16, 1, 1))
+        monkeypatch.setitem(kc._CONFIG_OVERRIDE, "fwd", (4, 16, 1))
+        t = _inputs((37, 21), torch.float32, torch.float32, False, True, seed=7)
+        args = (t["result"], t["lora"], t["magnitude"], t["norm"], SCALE, 1e-12, t["bias"], None, torch.float32)
+        yk, ik = kc.TRITON.compose_fwd(*args, True)
+        ye, ie = oc.compose_fwd_eager(*args, True)
+        _close_to_eager(yk, ye, torch.float32, "y")
+        dy = torch.randn(37, 21)
+        bargs = (dy, t["magnitude"], t["norm"], SCALE, 1e-12, ik, False, torch.float32, torch.float32, None, True,
+                 True)
+        g1, g2 = kc.TRITON.compose_bwd(*bargs), kc.TRITON.compose_bwd(*bargs)
+        ge = oc.compose_bwd_eager(*bargs)
+        assert torch.equal(g1[3], g2[3]) and torch.equal(g1[4], g2[4])
+        _close_reduction(g1[3], ge[3], "dm")
+        _close_reduction(g1[4], ge[4], "d_bias")
+
+    def test_fp64_and_empty_go_through():
+        t = _inputs((5, 7), torch.float64, torch.float64, False, True)
+        y, inner = kc.TRITON.compose_fwd(t["result"], t["lora"], t["magnitude"].double(), t["norm"].double(), SCALE,
+                                         1e-12, t["bias"], None, torch.float64, True)
+        ye, _ = oc.compose_fwd_eager(t["result"], t["lora"], t["magnitude"].double(), t["norm"].double(), SCALE,
+                                     1e-12, t["bias"], None, torch.float64, True)
+        assert torch.equal(y, ye)
+        e = torch.empty(0, 7)
+        y, inner = kc.TRITON.compose_fwd(e, e, torch.ones(7), torch.ones(7), SCALE, 1e-12, None, None,
+                                         torch.float32, True)
+        assert y.shape == (0, 7)
+        g = kc.TRITON.compose_bwd(e, torch.ones(7), torch.ones(7), SCALE, 1e-12, inner, False, torch.float32,
+                                  torch.float32, None, True, True)
+        assert torch.equal(g[3], torch.zeros(7))
+
+    def test_custom_op_compiles_without_graph_break():
+        if not getattr(kc, "HAS_CUSTOM_OPS", False):
+            pytest.skip("torch.library.custom_op unavailable")
+        import torch._dynamo
+
+        t = _inputs((6, 17), torch.float32, torch.float32, False, True, seed=5)
+        mag = t["magnitude"].clone().requires_grad_(True)
+        lora = t["lora"].clone().requires_grad_(True)
+
+        def f(result, lora, mag):
+            return kc.TRITON.apply(result, lora, mag, t["norm"], t["bias"], None, SCALE, 1e-12, torch.float32, -1)
+
+        torch._dynamo.reset()
+        cf = torch.compile(f, backend="aot_eager", fullgraph=True)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for _ in range(3):
+                mag.grad = lora.grad = None
+                y = cf(t["result"], lora, mag)
+                y.sum().backward()
+        mag2 = t["magnitude"].clone().requires_grad_(True)
+        lora2 = t["lora"].clone().requires_grad_(True)
+        ye = oc.EAGER.apply(t["result"], lora2, mag2, t["norm"], t["bias"], None, SCALE, 1e-12, torch.float32, -1)
+        ye.sum().backward()
+        _close_to_eager(y, ye, torch.float32, "compiled y")
+        _close_reduction(mag.grad, mag2.grad, "compiled dm")
+        _close_to_eager(lora.grad, lora2.grad, torch.float32, "compiled d_lora")
+
+    def test_custom_op_opcheck():
+        if not getattr(kc, "HAS_CUSTOM_OPS", False):
+            pytest.skip("torch.library.custom_op unavailable")
+        t = _inputs((3, 17), torch.float32, torch.float32, True, False, seed=6)
+        args = (t["result"], t["lora"], t["magnitude"].requires_grad_(True), t["norm"], None, t["base_delta"],
+                SCALE, 1e-12, torch.float32, True)
+        torch.library.opcheck(torch.ops.fastdora.dora_compose_fwd.default, args,
+                              test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+    # ---------------------------------------------------------------- norm
+
+    NORM_CASES = [(5, 7, 3), (17, 33, 8), (130, 70, 8), (33, 130, 20)]
+    NORM_DTYPES = {
+        "fp32": (torch.float32, torch.float32),
+        "bf16W_fp32AB": (torch.bfloat16, torch.float32),
+        "fp16W_fp32AB": (torch.float16, torch.float32),
+        "bf16": (torch.bfloat16, torch.bfloat16),
+        "fp16": (torch.float16, torch.float16),
+    }
+
+    @pytest.mark.parametrize("case", NORM_CASES, ids=str)
+    @pytest.mark.parametrize("dname", list(NORM_DTYPES))
+    def test_factored_norm(case, dname):
+        d_out, d_in, r = case
+        wdt, adt = NORM_DTYPES[dname]
+        gen = torch.Generator().manual_seed(d_out * 7 + r)
+        W = (torch.randn(d_out, d_in, generator=gen) / d_in ** 0.5).to(wdt)
+        A = (torch.randn(r, d_in, generator=gen) / d_in ** 0.5).to(adt)
+        B = (torch.randn(d_out, r, generator=gen) * 0.3).to(adt)
+        s = 1.7
+        assert kn.supports(W, A, B)
+        nk, bk = kn.factored_norm_triton(W, A, B, s)
+        ne, be = on.factored_norm_eager(W, A, B, s)
+        dense = torch.linalg.norm(W.double() + s * B.double() @ A.double(), dim=1)
+        assert nk.dtype == torch.float32 and bk.dtype == torch.float32 and nk.shape == (d_out,)
+        torch.testing.assert_close(bk, be, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(nk, ne, rtol=2e-5, atol=1e-6)
+        _envelope(nk, ne, dense, torch.float32, "norm")
+        # transposed view of W (fan_in_fan_out / embeddings), cached base, s = 0
+        Wt = W.t().contiguous().t()
+        nk2, _ = kn.factored_norm_triton(Wt, A, B, s, base_sq=be)
+        torch.testing.assert_close(nk2, ne, rtol=2e-5, atol=1e-6)
+        n0, _ = kn.factored_norm_triton(W, A, B, 0.0)
+        torch.testing.assert_close(n0, be.sqrt(), rtol=1e-6, atol=1e-6)
+
+    def test_norm_supports():
+        W = torch.randn(8, 6)
+        assert not kn.supports(W.double(), torch.randn(2, 6).double(), torch.randn(8, 2).double())
+        assert not kn.supports(W, torch.randn(2, 5), torch.randn(8, 2))
+        assert not kn.supports(W, torch.randn(2, 6), torch.randn(8, 3))
