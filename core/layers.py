@@ -384,10 +384,28 @@ def _merge_wrapper(peft_cls, name: str):
     return staticmethod(method)
 
 
+def _unmerge_fan_in_fan_out(module, active_adapter, orig_weight):
+    """PEFT's Linear DoRA unmerge, with the ``fan_in_fan_out`` transpose that released PEFT < 0.21 omits (it raises
+    a shape error there; identical to PEFT's formula otherwise)."""
+    delta_weight = module.get_delta_weight(active_adapter)
+    weight_norm = module._cache_pop(f"{active_adapter}-weight_norm")
+    dora_factor = module.lora_magnitude_vector[active_adapter].weight / weight_norm
+    dora_factor = transpose(dora_factor.view(-1, 1), module.fan_in_fan_out)
+    return (orig_weight.data / dora_factor - delta_weight).to(orig_weight.dtype)
+
+
 class FastDoraLinearVariant(PEFT_CLASSES["DoraLinearVariant"]):
     merge_safe = _merge_wrapper(PEFT_CLASSES["DoraLinearVariant"], "merge_safe")
     merge_unsafe = _merge_wrapper(PEFT_CLASSES["DoraLinearVariant"], "merge_unsafe")
-    unmerge = _merge_wrapper(PEFT_CLASSES["DoraLinearVariant"], "unmerge")
+    _unmerge_peft = _merge_wrapper(PEFT_CLASSES["DoraLinearVariant"], "unmerge")
+
+    @staticmethod
+    def unmerge(module, active_adapter, orig_weight):
+        if not getattr(module, "fan_in_fan_out", False):
+            return FastDoraLinearVariant._unmerge_peft(module, active_adapter, orig_weight)
+        out = _unmerge_fan_in_fan_out(module, active_adapter, orig_weight)
+        _invalidate(module, active_adapter)
+        return out
 
     @staticmethod
     def forward(module, active_adapter, x, result, **kwargs):

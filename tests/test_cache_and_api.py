@@ -303,9 +303,18 @@ def test_peft_style_direct_call_of_magnitude_module_matches_peft():
     ref, fast = make_pair(MLP, dtype=F64)
     lr, lf = _lin(ref), _lin(fast)
     x = torch.randn(3, 24, dtype=F64)
-    kw = lambda lin: dict(  # noqa: E731
-        lora_A=lin.lora_A["default"], lora_B=lin.lora_B["default"], scaling=lin.scaling["default"],
-        base_layer=lin.get_base_layer(), base_result=lin.get_base_layer()(x), adapter_name="default",
-    )
+    import inspect
+
+    from peft.tuners.lora.dora import DoraLinearLayer
+
+    def kw(lin):
+        d = dict(
+            lora_A=lin.lora_A["default"], lora_B=lin.lora_B["default"], scaling=lin.scaling["default"],
+            base_layer=lin.get_base_layer(), base_result=lin.get_base_layer()(x),
+        )
+        if "adapter_name" in inspect.signature(DoraLinearLayer.forward).parameters:  # peft >= 0.19
+            d["adapter_name"] = "default"
+        return d
+
     with torch.no_grad():
         assert_close(lf.lora_magnitude_vector["default"](x, **kw(lf)), lr.lora_magnitude_vector["default"](x, **kw(lr)), F64)

@@ -136,13 +136,24 @@ def test_merge_unmerge_and_unload(name, safe):
         merged_r, merged_f = ref(x), fast(x)
         assert_close(merged_f, merged_r, dtype, "merged")
         assert_close(merged_f, before, dtype, "merged vs unmerged")
-        for m in (ref, fast):
-            m.unmerge_adapter()
+        fast.unmerge_adapter()
+        try:
+            ref.unmerge_adapter()
+        except RuntimeError:
+            # released PEFT < 0.21 cannot unmerge fan_in_fan_out DoRA layers (shape error); fastdora can
+            assert name == "conv1d_gpt2_fan_in_fan_out" and _peft_version() < (0, 21)
+        else:
+            assert_close(fast(x), ref(x), dtype, "unmerged")
         # after unmerge W changed storage/version: the norm must be recomputed, and equal the original
-        assert_close(fast(x), ref(x), dtype, "unmerged")
         assert_close(fast(x), before, dtype, "unmerged vs before")
         unloaded = copy.deepcopy(fast).merge_and_unload(safe_merge=safe)
         assert_close(unloaded(x), before, dtype, "merge_and_unload")
+
+
+def _peft_version():
+    import peft
+
+    return tuple(int(p) for p in peft.__version__.split(".")[:2])
 
 
 def test_training_steps_with_grad_accumulation():

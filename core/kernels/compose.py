@@ -168,26 +168,30 @@ if AVAILABLE:
     def _dora_reduce_kernel(
         part_dm_ptr, part_db_ptr, mag_ptr, norm_ptr, dm_ptr, db_ptr,
         n_parts, N, eps,
-        NEED_DM: tl.constexpr, NEED_DB: tl.constexpr, SOFT_BF16: tl.constexpr, BLOCK_N: tl.constexpr,
+        NEED_DM: tl.constexpr, NEED_DB: tl.constexpr, SOFT_BF16: tl.constexpr,
+        BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
-        # second stage: sum the per-row-block partials in a fixed order (deterministic)
+        # second stage: sum the [n_parts, N] partials over parts in a fixed order (deterministic, no atomics);
+        # BLOCK_P partial rows per load keep many loads in flight
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < N
-        acc_dm = tl.zeros([BLOCK_N], dtype=tl.float32)
-        acc_db = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for p in range(0, n_parts):
-            off = p * N.to(tl.int64) + cols
+        acc_dm = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+        acc_db = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+        for p0 in range(0, n_parts, BLOCK_P):
+            prow = p0 + tl.arange(0, BLOCK_P)
+            m = (prow < n_parts)[:, None] & cmask[None, :]
+            off = prow.to(tl.int64)[:, None] * N + cols[None, :]
             if NEED_DM:
-                acc_dm += tl.load(part_dm_ptr + off, mask=cmask, other=0.0)
+                acc_dm += tl.load(part_dm_ptr + off, mask=m, other=0.0)
             if NEED_DB:
-                acc_db += tl.load(part_db_ptr + off, mask=cmask, other=0.0)
+                acc_db += tl.load(part_db_ptr + off, mask=m, other=0.0)
         if NEED_DM:
             n = tl.load(norm_ptr + cols, mask=cmask, other=1.0).to(tl.float32)
             inv = tl.math.div_rn(1.0, tl.maximum(n, eps, propagate_nan=tl.PropagateNan.ALL))
-            tl.store(dm_ptr + cols, _cast_to(acc_dm * inv, dm_ptr, SOFT_BF16), mask=cmask)
+            tl.store(dm_ptr + cols, _cast_to(tl.sum(acc_dm, axis=0) * inv, dm_ptr, SOFT_BF16), mask=cmask)
         if NEED_DB:
             g = _scale_g(mag_ptr, norm_ptr, cols, cmask, eps)
-            tl.store(db_ptr + cols, (1.0 - g) * acc_db, mask=cmask)
+            tl.store(db_ptr + cols, (1.0 - g) * tl.sum(acc_db, axis=0), mask=cmask)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -223,7 +227,7 @@ def _bwd_config(M: int, N: int, device: torch.device) -> tuple[int, int, int, in
     if "bwd" in _CONFIG_OVERRIDE:
         block_m, block_n, warps, target = _CONFIG_OVERRIDE["bwd"]
     else:
-        block_n = min(_next_pow2(N), 256)
+        block_n = min(_next_pow2(N), 128)
         block_m = max(1, min(_next_pow2(M), 4096 // block_n))
         warps = 8 if block_m * block_n >= 4096 else 4
         target = 8  # programs per SM
@@ -368,12 +372,14 @@ def compose_bwd(
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
         )
         if need_dm or need_dbias:
-            rb = min(1024, _next_pow2(N))
+            rb = min(64, _next_pow2(N))
+            rp = min(32, _next_pow2(n_parts))
             _dora_reduce_kernel[(triton.cdiv(N, rb),)](
                 part_dm, part_db, mag, nrm,
                 dm if dm is not None else mag, d_bias if d_bias is not None else mag,
                 n_parts, N, float(eps),
-                NEED_DM=bool(need_dm), NEED_DB=need_dbias, SOFT_BF16=not dy.is_cuda, BLOCK_N=rb, num_warps=4,
+                NEED_DM=bool(need_dm), NEED_DB=need_dbias, SOFT_BF16=not dy.is_cuda,
+                BLOCK_P=rp, BLOCK_N=rb, num_warps=4,
             )
     return d_result, d_lora, d_bd, dm, d_bias
 

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# fastdora's test command (the README's; CI runs it through .ci/run). CPU only; installs what it needs itself.
+#
+#   bash scripts/test.sh            full suite: for the oldest and newest supported PEFT, fastdora's tests
+#                                   (incl. Triton kernels under TRITON_INTERPRET=1) + PEFT's own DoRA tests with
+#                                   fastdora enabled process-wide; then the framework integration tests.
+#   FASTDORA_TEST_QUICK=1 bash scripts/test.sh   fastdora's tests against the newest PEFT only.
+#
+# Virtual environments are cached under $FASTDORA_WORK (default ./.work) within a run.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+WORK=${FASTDORA_WORK:-$ROOT/.work}
+PY=${FASTDORA_PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+PEFT_OLDEST=0.18.1
+PEFT_NEWEST=${FASTDORA_PEFT_NEWEST:-0.21.2}
+export PIP_DISABLE_PIP_VERSION_CHECK=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
+mkdir -p "$WORK"
+t0=$(date +%s)
+say() { printf '\n==== [%4ss] %s\n' "$(( $(date +%s) - t0 ))" "$*"; }
+
+make_venv() {  # make_venv DIR PEFT_VERSION TRANSFORMERS_SPEC EXTRA...
+  local dir=$1 peft=$2 tf=$3; shift 3
+  if [ ! -x "$dir/bin/python" ] || [ ! -f "$dir/.ok" ]; then
+    rm -rf "$dir"
+    "$PY" -m venv "$dir"
+    "$dir/bin/pip" install -q --upgrade pip
+    "$dir/bin/pip" install -q "torch==2.13.0"
+    "$dir/bin/pip" install -q "peft==$peft" "$tf" accelerate pytest pytest-xdist parameterized datasets \
+      diffusers scipy scikit-learn protobuf sentencepiece safetensors attrs "$@"
+    "$dir/bin/pip" install -q --no-deps -e "$ROOT"
+    touch "$dir/.ok"
+  fi
+  "$dir/bin/python" -c "import torch, peft, fastdora; print('torch', torch.__version__, 'peft', peft.__version__, 'fastdora', fastdora.__file__)"
+}
+
+peft_source() {  # the released sdist of PEFT (it ships PEFT's tests)
+  local v=$1 d="$WORK/peft-src"
+  if [ ! -d "$d/peft-$v/tests" ]; then
+    mkdir -p "$d"
+    "$PY" -m pip download -q --no-deps --no-binary :all: "peft==$v" -d "$d"
+    tar -xzf "$d/peft-$v.tar.gz" -C "$d"
+    touch "$d/peft-$v/tests/__init__.py"
+  fi
+  echo "$d/peft-$v"
+}
+
+run_fastdora_tests() {  # run_fastdora_tests VENV
+  (cd "$ROOT" && "$1/bin/python" -m pytest tests -q -m "not gpu" -p no:cacheprovider)
+}
+
+run_peft_dora_tests() {  # run_peft_dora_tests VENV PEFT_VERSION
+  local src; src=$(peft_source "$2")
+  local files=(tests/test_custom_models.py tests/test_lora_variants.py tests/test_initialization.py)
+  local helpers=()
+  grep -q "class TestDoraCaching" "$src/tests/test_helpers.py" && helpers=(tests/test_helpers.py::TestDoraCaching)
+  # deselected: the cases that download a model from the hub (no network here)
+  (cd "$src" && OMP_NUM_THREADS=1 PYTHONPATH="$ROOT/tests/peft_compat" "$1/bin/python" -m pytest \
+      "${files[@]}" "${helpers[@]}" -k "dora or DoRA or Dora" -p fastdora_pytest_plugin -o addopts="" -q -n 2 \
+      -p no:cacheprovider \
+      --deselect tests/test_custom_models.py::TestPeftCustomModel::test_gpt2_dora_merge_and_unload \
+      --deselect tests/test_custom_models.py::TestPeftCustomModel::test_gpt2_dora_merge_and_unload_safe_merge \
+      --deselect tests/test_custom_models.py::TestPeftCustomModel::test_dora_save_and_load_remapping \
+      --deselect tests/test_helpers.py::TestDoraCaching::test_dora_caching_linear \
+      --deselect tests/test_helpers.py::TestDoraCaching::test_dora_caching_embedding \
+      -W ignore::UserWarning)
+}
+
+NEW="$WORK/venv-peft-$PEFT_NEWEST"
+OLD="$WORK/venv-peft-$PEFT_OLDEST"
+
+say "venv: newest PEFT $PEFT_NEWEST (+ triton for the interpreter tests)"
+make_venv "$NEW" "$PEFT_NEWEST" "transformers" "triton"
+say "fastdora tests, PEFT $PEFT_NEWEST"
+run_fastdora_tests "$NEW"
+if [ "${FASTDORA_TEST_QUICK:-0}" = 1 ]; then say "quick mode: done"; exit 0; fi
+
+say "PEFT $PEFT_NEWEST's own DoRA tests with fastdora enabled process-wide"
+run_peft_dora_tests "$NEW" "$PEFT_NEWEST"
+
+say "venv: oldest PEFT $PEFT_OLDEST"
+make_venv "$OLD" "$PEFT_OLDEST" "transformers<=5.6.0"
+say "fastdora tests, PEFT $PEFT_OLDEST"
+run_fastdora_tests "$OLD"
+say "PEFT $PEFT_OLDEST's own DoRA tests with fastdora enabled process-wide"
+run_peft_dora_tests "$OLD" "$PEFT_OLDEST"
+
+if [ -f "$ROOT/integration_tests/run_all.sh" ]; then
+  say "framework integration tests (each framework in its own venv)"
+  FASTDORA_WORK="$WORK" bash "$ROOT/integration_tests/run_all.sh"
+fi
+say "all tests passed"
