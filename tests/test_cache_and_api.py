@@ -318,3 +318,29 @@ def test_peft_style_direct_call_of_magnitude_module_matches_peft():
 
     with torch.no_grad():
         assert_close(lf.lora_magnitude_vector["default"](x, **kw(lf)), lr.lora_magnitude_vector["default"](x, **kw(lr)), F64)
+
+
+@pytest.mark.parametrize("model_fn", [MLP, EmbModel], ids=["linear", "embedding"])
+def test_peft_dora_caching_helper_semantics(model_fn):
+    """PEFT's DoraCaching (peft >= 0.19): `_dora_cache` empty by default and in train mode, filled in eval mode
+    while enabled, same outputs. (PEFT's own versions of these two tests need the hub; this is the local twin.)"""
+    helpers = pytest.importorskip("peft.helpers")
+    if not hasattr(helpers, "DoraCaching"):
+        pytest.skip("peft < 0.19 has no DoraCaching")
+    _, fast = make_pair(model_fn, dtype=F64)
+    caches = [m._dora_cache for m in fast.modules() if hasattr(m, "_dora_cache")]
+    x = model_input(fast.base_model.model, F64)
+    with torch.no_grad():
+        plain = fast(x)
+        assert caches and not any(caches)
+        fast.eval()
+        with helpers.DoraCaching():
+            cached = fast(x)
+            assert all(caches)
+        assert_close(cached, plain, F64)
+        fast(x)
+        assert not any(caches)
+        fast.train()
+        with helpers.DoraCaching():
+            assert_close(fast(x), plain, F64)
+            assert not any(caches)

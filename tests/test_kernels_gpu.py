@@ -179,8 +179,9 @@ def test_gradcheck_fp32_kernel_against_fp64():
     y = kc.TRITON.apply(r, lo, m, t["norm"], t["bias"], None, SCALE, 1e-12, torch.float32, -1)
     dy = torch.randn_like(y)
     y.backward(dy)
-    r64, lo64 = t["result"].double().requires_grad_(True), t["lora"].double().requires_grad_(True)
-    m64 = t["magnitude"].double().requires_grad_(True)
+    r64 = t["result"].detach().double().requires_grad_(True)
+    lo64 = t["lora"].detach().double().requires_grad_(True)
+    m64 = t["magnitude"].detach().double().requires_grad_(True)
     g = m64 / t["norm"].double()
     b = t["bias"].double()
     y64 = g * (r64 - b + SCALE * lo64) + b
@@ -278,3 +279,19 @@ def test_norm_dispatch_and_fp64():
     B = torch.randn(64, 4, device=DEV, dtype=torch.float64)
     assert dispatch.norm_impl(W, A, B, "auto") is on.factored_norm_eager
     assert dispatch.norm_impl(W.float(), A.float(), B.float(), "auto") is kn.factored_norm_triton
+
+
+@pytest.mark.parametrize("wdt,adt", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                     (torch.float16, torch.float16), (torch.float32, torch.float32)], ids=str)
+def test_factored_norm_realistic_scales(wdt, adt):
+    # small B (the cross term matters): the regime where a half-precision tensor-core product lost ~1e-5
+    d_out, d_in, r = 4096, 8192, 384
+    g = torch.Generator(device=DEV).manual_seed(0)
+    W = (torch.randn(d_out, d_in, generator=g, device=DEV) / d_in ** 0.5).to(wdt)
+    A = (torch.randn(r, d_in, generator=g, device=DEV) / d_in ** 0.5).to(adt)
+    B = (torch.randn(d_out, r, generator=g, device=DEV) * 0.05).to(adt)
+    s = 16 / r ** 0.5
+    nk, _ = kn.factored_norm_triton(W, A, B, s)
+    ne, _ = on.factored_norm_eager(W, A, B, s)
+    dense = torch.linalg.norm(W.double() + s * B.double() @ A.double(), dim=1)
+    _envelope(nk, ne, dense, torch.float32, "norm")

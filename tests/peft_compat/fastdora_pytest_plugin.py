@@ -10,6 +10,28 @@ import fastdora
 _REPORT = fastdora.enable()
 
 
+def _offline_english_quotes():
+    """PEFT 0.18's test_initialization.py loads a hub dataset in a class body (at import). There is no network
+    here: serve a small local stand-in for that one id so the module (and its DoRA tests) can be collected."""
+    try:
+        import datasets
+    except ImportError:
+        return
+    real = datasets.load_dataset
+
+    def load_dataset(path, *args, **kwargs):
+        if path == "ybelkada/english_quotes_copy":
+            quotes = [f"quote number {i}: the quick brown fox jumps over the lazy dog" for i in range(64)]
+            ds = datasets.Dataset.from_dict({"quote": quotes, "author": ["anon"] * 64, "tags": [["x"]] * 64})
+            return datasets.DatasetDict({"train": ds})
+        return real(path, *args, **kwargs)
+
+    datasets.load_dataset = load_dataset
+
+
+_offline_english_quotes()
+
+
 def pytest_configure(config):
     config._fastdora_report = _REPORT
 
