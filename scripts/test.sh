@@ -69,8 +69,8 @@ run_peft_dora_tests() {  # run_peft_dora_tests VENV PEFT_VERSION
 NEW="$WORK/venv-peft-$PEFT_NEWEST"
 OLD="$WORK/venv-peft-$PEFT_OLDEST"
 
-say "venv: newest PEFT $PEFT_NEWEST (+ triton for the interpreter tests)"
-make_venv "$NEW" "$PEFT_NEWEST" "transformers" "triton"
+say "venv: newest PEFT $PEFT_NEWEST (+ triton for the interpreter tests, bitsandbytes for quantized bases)"
+make_venv "$NEW" "$PEFT_NEWEST" "transformers" "triton" "bitsandbytes"
 say "fastdora tests, PEFT $PEFT_NEWEST"
 run_fastdora_tests "$NEW"
 if [ "${FASTDORA_TEST_QUICK:-0}" = 1 ]; then say "quick mode: done"; exit 0; fi

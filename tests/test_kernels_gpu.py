@@ -295,3 +295,27 @@ def test_factored_norm_realistic_scales(wdt, adt):
     ne, _ = on.factored_norm_eager(W, A, B, s)
     dense = torch.linalg.norm(W.double() + s * B.double() @ A.double(), dim=1)
     _envelope(nk, ne, dense, torch.float32, "norm")
+
+
+@pytest.mark.parametrize("cfg", [(64, 128, 8, 8, False), (64, 128, 8, 8, True), (32, 256, 8, 4, True)], ids=str)
+@pytest.mark.parametrize("delta", [False, True], ids=["plain", "delta"])
+def test_bwd_variants(monkeypatch, cfg, delta):
+    # the backward kernel's loop variants (plain / software-prefetched) and row splits
+    monkeypatch.setitem(kc._CONFIG_OVERRIDE, "bwd", cfg)
+    shape = (2049, 4099)
+    t = _inputs(shape, torch.bfloat16, torch.bfloat16, torch.float32, delta, True, seed=9)
+    _, inner = kc.TRITON.compose_fwd(t["result"], t["lora"], t["magnitude"], t["norm"], SCALE, 1e-6, t["bias"],
+                                     t["base_delta"], torch.bfloat16, True)
+    dy = torch.randn(shape, device=DEV).to(torch.bfloat16)
+    bdt = torch.bfloat16 if delta else None
+    args = (dy, t["magnitude"], t["norm"], SCALE, 1e-6, inner, delta, torch.float32, torch.bfloat16, bdt, True, True)
+    gk = kc.TRITON.compose_bwd(*args)
+    ge = oc.compose_bwd_eager(*args)
+    for name, a, b in zip(("d_result", "d_lora", "d_base_delta", "dm", "d_bias"), gk, ge):
+        if b is None:
+            assert a is None
+            continue
+        if name in ("dm", "d_bias"):
+            assert _rel(a, b) < 1e-5, name
+        else:
+            torch.testing.assert_close(a, b, rtol=2 ** -7, atol=1e-6, msg=name)

@@ -186,9 +186,10 @@ else:
                     _close_to_eager(a, b, torch.float32, "grad strided")
             _close_reduction(gk[3], ge[3], "dm strided")
 
-    def test_multi_tile_reduction_and_determinism(monkeypatch):
+    @pytest.mark.parametrize("prefetch", [False, True], ids=["plain_loop", "prefetch"])
+    def test_multi_tile_reduction_and_determinism(monkeypatch, prefetch):
         # small tiles: several row tiles per program and several partials in the second stage
-        monkeypatch.setitem(kc._CONFIG_OVERRIDE, "bwd", (2, 16, 1, 1))
+        monkeypatch.setitem(kc._CONFIG_OVERRIDE, "bwd", (2, 16, 1, 1, prefetch))
         monkeypatch.setitem(kc._CONFIG_OVERRIDE, "fwd", (4, 16, 1))
         t = _inputs((37, 21), torch.float32, torch.float32, False, True, seed=7)
         args = (t["result"], t["lora"], t["magnitude"], t["norm"], SCALE, 1e-12, t["bias"], None, torch.float32)
