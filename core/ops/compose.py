@@ -76,6 +76,8 @@ def compose_fwd_eager(
     """
     acc = acc_dtype_for(result, lora, magnitude)
     vs = _view_shape(result, feature_dim)
+    if _half_path(result, lora, base_delta, out_dtype):
+        return _compose_fwd_half(result, lora, magnitude, norm, scale, eps, bias, base_delta, save_inner, vs)
     g = magnitude_scale(magnitude, norm, eps, acc).view(vs)
     lora_acc = lora.to(acc)
     if base_delta is None:
@@ -94,6 +96,40 @@ def compose_fwd_eager(
         y = result.to(acc) + (g - 1.0) * d + (g * scale) * lora_acc
     saved = inner.to(torch.promote_types(result.dtype, lora.dtype)) if save_inner else None
     return y.to(out_dtype), saved
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _half_path(result, lora, base_delta, out_dtype) -> bool:
+    """All activations in one half dtype: compute in that dtype with fp32-derived per-row coefficients (g - 1) and
+    g*s, keeping (g - 1) explicit so that nothing cancels (PyTorch has no fused fp32-register path; the Triton kernel
+    is the one-rounding version). Saves the fp32 temporaries the general path needs."""
+    dt = result.dtype
+    return (
+        dt in _HALF
+        and lora.dtype == dt
+        and out_dtype == dt
+        and (base_delta is None or base_delta.dtype == dt)
+    )
+
+
+def _compose_fwd_half(result, lora, magnitude, norm, scale, eps, bias, base_delta, save_inner, vs):
+    dt = result.dtype
+    g = magnitude_scale(magnitude, norm, eps, torch.float32)
+    gm1 = (g - 1.0).to(dt).view(vs)
+    gs = (g * scale).to(dt).view(vs)
+    p = result if base_delta is None else base_delta
+    y = torch.addcmul(result, p, gm1)  # result + (g - 1) * p
+    y.addcmul_(lora, gs)  #          + g * s * lora
+    inner = None
+    if base_delta is None and bias is not None:
+        y.sub_(((g - 1.0) * bias.detach().float()).to(dt).view(vs))  # p was result incl. bias: remove (g-1)*bias
+    if save_inner:
+        inner = torch.add(p, lora, alpha=scale)
+        if base_delta is None and bias is not None:
+            inner.sub_(bias.detach().to(dt).view(vs))
+    return y, inner
 
 
 def compose_bwd_eager(
@@ -116,14 +152,25 @@ def compose_bwd_eager(
     vs = _view_shape(dy, feature_dim)
     g_flat = magnitude_scale(magnitude, norm, eps, acc)
     g = g_flat.view(vs)
-    dy_acc = dy.to(acc)
-    d_lora = ((g * scale) * dy_acc).to(lora_dtype)
-    if delta_form:
-        d_result = dy.to(result_dtype)
-        d_base_delta = ((g - 1.0) * dy_acc).to(base_delta_dtype)
+    half = dy.dtype in _HALF and result_dtype == lora_dtype == dy.dtype and base_delta_dtype in (None, dy.dtype)
+    if half:  # same formulas in the activation dtype, (g - 1) explicit
+        dt = dy.dtype
+        d_lora = dy * (g * scale).to(dt)
+        gm1 = (g - 1.0).to(dt)
+        if delta_form:
+            d_result, d_base_delta = dy, dy * gm1
+        else:
+            d_result, d_base_delta = torch.addcmul(dy, dy, gm1), None
+        dy_acc = None
     else:
-        d_result = (g * dy_acc).to(result_dtype)
-        d_base_delta = None
+        dy_acc = dy.to(acc)
+        d_lora = ((g * scale) * dy_acc).to(lora_dtype)
+        if delta_form:
+            d_result = dy.to(result_dtype)
+            d_base_delta = ((g - 1.0) * dy_acc).to(base_delta_dtype)
+        else:
+            d_result = (g * dy_acc).to(result_dtype)
+            d_base_delta = None
     dm = None
     if need_dm:
         inv = 1.0 / norm.detach().reshape(-1).to(acc).clamp_min(eps)
@@ -131,7 +178,7 @@ def compose_bwd_eager(
         dm = dm.to(magnitude.dtype).view(magnitude.shape)
     d_bias = None
     if need_dbias:
-        d_bias = (1.0 - g_flat) * _sum_tokens(dy_acc, feature_dim)
+        d_bias = (1.0 - g_flat) * _sum_tokens(dy.to(acc) if dy_acc is None else dy_acc, feature_dim)
     return d_result, d_lora, d_base_delta, dm, d_bias
 
 
@@ -146,9 +193,13 @@ def _rowsum_product(a: torch.Tensor, b: torch.Tensor, feature_dim: int, acc: tor
     a2 = a.movedim(fd, -1).reshape(-1, a.shape[fd])
     b2 = b.movedim(fd, -1).reshape(-1, b.shape[fd])
     out = torch.zeros(a2.shape[1], dtype=acc, device=a.device)
+    same_half = a2.dtype == b2.dtype and a2.dtype in _HALF
     for start in range(0, a2.shape[0], _EAGER_ROWS_PER_CHUNK):
         stop = start + _EAGER_ROWS_PER_CHUNK
-        out += (a2[start:stop].to(acc) * b2[start:stop].to(acc)).sum(0)
+        if same_half:  # products in the activation dtype, accumulated in fp32
+            out += (a2[start:stop] * b2[start:stop]).sum(0, dtype=acc)
+        else:
+            out += (a2[start:stop].to(acc) * b2[start:stop].to(acc)).sum(0)
     return out
 
 
