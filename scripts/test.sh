@@ -66,24 +66,25 @@ run_peft_dora_tests() {  # run_peft_dora_tests VENV PEFT_VERSION
       -W ignore::UserWarning)
 }
 
-NEW="$WORK/venv-peft-$PEFT_NEWEST"
-OLD="$WORK/venv-peft-$PEFT_OLDEST"
+VENV="$WORK/venv-test"
 
 say "venv: newest PEFT $PEFT_NEWEST (+ triton for the interpreter tests, bitsandbytes for quantized bases)"
-make_venv "$NEW" "$PEFT_NEWEST" "transformers" "triton" "bitsandbytes"
+make_venv "$VENV" "$PEFT_NEWEST" "transformers" "triton" "bitsandbytes"
 say "fastdora tests, PEFT $PEFT_NEWEST"
-run_fastdora_tests "$NEW"
+run_fastdora_tests "$VENV"
 if [ "${FASTDORA_TEST_QUICK:-0}" = 1 ]; then say "quick mode: done"; exit 0; fi
 
 say "PEFT $PEFT_NEWEST's own DoRA tests with fastdora enabled process-wide"
-run_peft_dora_tests "$NEW" "$PEFT_NEWEST"
+run_peft_dora_tests "$VENV" "$PEFT_NEWEST"
 
-say "venv: oldest PEFT $PEFT_OLDEST"
-make_venv "$OLD" "$PEFT_OLDEST" "transformers<=5.6.0"
+say "same venv, oldest PEFT $PEFT_OLDEST (with the transformers it supports)"
+"$VENV/bin/pip" install -q "peft==$PEFT_OLDEST" "transformers<=5.6.0"
+rm -f "$VENV/.ok"  # the cached venv now holds the oldest PEFT: rebuild next time
+"$VENV/bin/python" -c "import peft; assert peft.__version__ == '$PEFT_OLDEST', peft.__version__; print('peft', peft.__version__)"
 say "fastdora tests, PEFT $PEFT_OLDEST"
-run_fastdora_tests "$OLD"
+run_fastdora_tests "$VENV"
 say "PEFT $PEFT_OLDEST's own DoRA tests with fastdora enabled process-wide"
-run_peft_dora_tests "$OLD" "$PEFT_OLDEST"
+run_peft_dora_tests "$VENV" "$PEFT_OLDEST"
 
 if [ -f "$ROOT/integration_tests/run_all.sh" ]; then
   say "framework integration tests (each framework in its own venv)"
