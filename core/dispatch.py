@@ -55,7 +55,8 @@ def compose_impl(result, lora, magnitude, bias, base_delta, feature_dim, kernels
 def norm_impl(weight, lora_A, lora_B, kernels: str):
     from .ops.norm import factored_norm_eager
 
-    if not _wants_triton(kernels, weight, lora_A, lora_B):
+    # under torch.compile the norm is traced as plain PyTorch ops (the Triton launcher is not a registered op)
+    if torch.compiler.is_compiling() or not _wants_triton(kernels, weight, lora_A, lora_B):
         return factored_norm_eager
     from .kernels import norm as kn
 

@@ -41,12 +41,12 @@ except Exception:  # pragma: no cover
 
 __all__ = ["AVAILABLE", "TRITON", "worth_it", "CROSSOVER_NUMEL"]
 
-# Auto mode uses the kernels from this many elements of ``result`` on. Below it the eager PyTorch path is as fast
-# (launch latency dominates both). Measured on one H200 (torch 2.11, Triton 3.6) by
-# ``benchmarks/kernels_bench.py`` ("crossover" section of benchmarks/results/kernels_h200.json): the fused
-# forward+backward is faster than eager from the smallest size measured on, so the threshold only keeps
-# single-row decode-sized calls (where both paths are pure launch latency) on the exact eager path.
-CROSSOVER_NUMEL = 1 << 14
+# Auto mode uses the kernels from this many elements of ``result`` on; below it, the exact eager path. Measured on
+# one H200 (torch 2.11, Triton 3.6) by ``benchmarks/kernels_bench.py --sections crossover``
+# (benchmarks/results/kernels_h200_run2.json, "crossover"): the fused path was faster than eager at every size
+# measured, 1K..64M elements, in wall-clock time per call (forward 0.063 vs 0.083 ms and forward+backward 0.49 vs
+# 0.86 ms at 1K elements; 0.10 vs 1.00 ms and 0.50 vs 2.82 ms at 64M). So the threshold is the smallest size measured.
+CROSSOVER_NUMEL = 1 << 10
 
 
 def worth_it(result: torch.Tensor) -> bool:
@@ -118,6 +118,28 @@ if AVAILABLE:
             tl.store(inner_ptr + r2 * stride_inner + c2, _cast_to(inner, inner_ptr, SOFT_BF16), mask=mask)
 
     @triton.jit
+    def _bwd_tile(
+        dy, inner, r2, c2, mask, g, gs, acc_dm, acc_db,
+        dres_ptr, dlora_ptr, dbd_ptr, stride_dres, stride_dlora, stride_dbd,
+        DELTA: tl.constexpr, WRITE_DRES: tl.constexpr, WRITE_DLORA: tl.constexpr,
+        NEED_DM: tl.constexpr, NEED_DB: tl.constexpr, SOFT_BF16: tl.constexpr,
+    ):
+        if WRITE_DLORA:
+            tl.store(dlora_ptr + r2 * stride_dlora + c2, _cast_to(gs * dy, dlora_ptr, SOFT_BF16), mask=mask)
+        if DELTA:
+            tl.store(dbd_ptr + r2 * stride_dbd + c2, _cast_to((g - 1.0) * dy, dbd_ptr, SOFT_BF16), mask=mask)
+            if WRITE_DRES:
+                tl.store(dres_ptr + r2 * stride_dres + c2, _cast_to(dy, dres_ptr, SOFT_BF16), mask=mask)
+        else:
+            if WRITE_DRES:
+                tl.store(dres_ptr + r2 * stride_dres + c2, _cast_to(g * dy, dres_ptr, SOFT_BF16), mask=mask)
+        if NEED_DM:
+            acc_dm += dy * inner
+        if NEED_DB:
+            acc_db += dy
+        return acc_dm, acc_db
+
+    @triton.jit
     def _dora_bwd_kernel(
         dy_ptr, inner_ptr, mag_ptr, norm_ptr,
         dres_ptr, dlora_ptr, dbd_ptr, part_dm_ptr, part_db_ptr,
@@ -125,9 +147,11 @@ if AVAILABLE:
         stride_dy, stride_inner, stride_dres, stride_dlora, stride_dbd,
         scale, eps,
         DELTA: tl.constexpr, WRITE_DRES: tl.constexpr, WRITE_DLORA: tl.constexpr,
-        NEED_DM: tl.constexpr, NEED_DB: tl.constexpr, SOFT_BF16: tl.constexpr,
+        NEED_DM: tl.constexpr, NEED_DB: tl.constexpr, SOFT_BF16: tl.constexpr, PREFETCH: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
+        # program (pid_m, pid_n): rows [pid_m * rows_per_prog, +rows_per_prog) x one BLOCK_N column block, in
+        # BLOCK_M-row tiles; writes the gradients and one fp32 partial row of the magnitude (and bias) reduction
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -139,25 +163,48 @@ if AVAILABLE:
         acc_dm = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_db = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         row0 = pid_m.to(tl.int64) * rows_per_prog
-        for i in range(0, rows_per_prog, BLOCK_M):
-            rows = row0 + i + tl.arange(0, BLOCK_M).to(tl.int64)
-            r2 = rows[:, None]
-            mask = (rows < M)[:, None] & cmask[None, :]
-            dy = tl.load(dy_ptr + r2 * stride_dy + c2, mask=mask, other=0.0).to(tl.float32)
-            if WRITE_DLORA:
-                tl.store(dlora_ptr + r2 * stride_dlora + c2, _cast_to(gs * dy, dlora_ptr, SOFT_BF16), mask=mask)
-            if DELTA:
-                tl.store(dbd_ptr + r2 * stride_dbd + c2, _cast_to((g - 1.0) * dy, dbd_ptr, SOFT_BF16), mask=mask)
-                if WRITE_DRES:
-                    tl.store(dres_ptr + r2 * stride_dres + c2, _cast_to(dy, dres_ptr, SOFT_BF16), mask=mask)
-            else:
-                if WRITE_DRES:
-                    tl.store(dres_ptr + r2 * stride_dres + c2, _cast_to(g * dy, dres_ptr, SOFT_BF16), mask=mask)
+        row_end = tl.minimum(row0 + rows_per_prog, M)
+        rows = row0 + tl.arange(0, BLOCK_M).to(tl.int64)
+        if PREFETCH:
+            # software pipelining: the loads of tile i+1 are issued before tile i is computed and stored
+            mask = (rows < row_end)[:, None] & cmask[None, :]
+            dy_nx = tl.load(dy_ptr + rows[:, None] * stride_dy + c2, mask=mask, other=0.0)
             if NEED_DM:
-                inner = tl.load(inner_ptr + r2 * stride_inner + c2, mask=mask, other=0.0).to(tl.float32)
-                acc_dm += dy * inner
-            if NEED_DB:
-                acc_db += dy
+                in_nx = tl.load(inner_ptr + rows[:, None] * stride_inner + c2, mask=mask, other=0.0)
+            else:
+                in_nx = dy_nx
+            for i in range(0, rows_per_prog, BLOCK_M):
+                dy = dy_nx.to(tl.float32)
+                inner = in_nx.to(tl.float32)
+                r2 = rows[:, None]
+                cur = mask
+                rows = rows + BLOCK_M
+                mask = (rows < row_end)[:, None] & cmask[None, :]
+                dy_nx = tl.load(dy_ptr + rows[:, None] * stride_dy + c2, mask=mask, other=0.0)
+                if NEED_DM:
+                    in_nx = tl.load(inner_ptr + rows[:, None] * stride_inner + c2, mask=mask, other=0.0)
+                else:
+                    in_nx = dy_nx
+                acc_dm, acc_db = _bwd_tile(
+                    dy, inner, r2, c2, cur, g, gs, acc_dm, acc_db,
+                    dres_ptr, dlora_ptr, dbd_ptr, stride_dres, stride_dlora, stride_dbd,
+                    DELTA, WRITE_DRES, WRITE_DLORA, NEED_DM, NEED_DB, SOFT_BF16,
+                )
+        else:
+            for i in range(0, rows_per_prog, BLOCK_M):
+                r2 = rows[:, None]
+                mask = (rows < row_end)[:, None] & cmask[None, :]
+                dy = tl.load(dy_ptr + r2 * stride_dy + c2, mask=mask, other=0.0).to(tl.float32)
+                if NEED_DM:
+                    inner = tl.load(inner_ptr + r2 * stride_inner + c2, mask=mask, other=0.0).to(tl.float32)
+                else:
+                    inner = dy
+                acc_dm, acc_db = _bwd_tile(
+                    dy, inner, r2, c2, mask, g, gs, acc_dm, acc_db,
+                    dres_ptr, dlora_ptr, dbd_ptr, stride_dres, stride_dlora, stride_dbd,
+                    DELTA, WRITE_DRES, WRITE_DLORA, NEED_DM, NEED_DB, SOFT_BF16,
+                )
+                rows = rows + BLOCK_M
         out = pid_m.to(tl.int64) * N + cols
         if NEED_DM:
             tl.store(part_dm_ptr + out, tl.sum(acc_dm, axis=0), mask=cmask)
@@ -222,20 +269,25 @@ def _fwd_config(M: int, N: int, device: torch.device) -> tuple[int, int, int]:
     return block_m, block_n, warps
 
 
-def _bwd_config(M: int, N: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps, rows_per_prog): depends only on the shape and the GPU model (deterministic)."""
+def _bwd_config(M: int, N: int, device: torch.device) -> tuple[int, int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, warps, rows_per_prog, prefetch): depends only on the shape and the GPU model, so the
+    magnitude-gradient summation order is fixed (bitwise deterministic)."""
     if "bwd" in _CONFIG_OVERRIDE:
-        block_m, block_n, warps, target = _CONFIG_OVERRIDE["bwd"]
+        block_m, block_n, warps, target, prefetch = _CONFIG_OVERRIDE["bwd"]
     else:
+        # from the sweeps in benchmarks/results/kernels_h200_run{2,3}.json ("sweep", 16384x4096 AMP): 64x128
+        # tiles, 8 warps, a row loop sized for ~8 programs per SM, no software prefetch (84-85% of copy bandwidth;
+        # the prefetching loop measured 81%)
         block_n = min(_next_pow2(N), 128)
-        block_m = max(1, min(_next_pow2(M), 4096 // block_n))
+        block_m = max(1, min(_next_pow2(M), 8192 // block_n))
         warps = 8 if block_m * block_n >= 4096 else 4
         target = 8  # programs per SM
+        prefetch = False
     n_col = -(-N // block_n)
     tiles = -(-M // block_m)
     row_blocks = max(1, min(tiles, (target * _num_sms(device)) // n_col))
     tiles_per_prog = -(-tiles // row_blocks)
-    return block_m, block_n, warps, tiles_per_prog * block_m
+    return block_m, block_n, warps, tiles_per_prog * block_m, prefetch
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -355,7 +407,7 @@ def compose_bwd(
     dl2 = d_lora.view(-1, N) if d_lora is not None else dy2
     dbd2 = d_bd.view(-1, N) if d_bd is not None else dy2
     mag, nrm = _vec(magnitude), _vec(norm)
-    block_m, block_n, warps, rows_per_prog = _bwd_config(M, N, dev)
+    block_m, block_n, warps, rows_per_prog, prefetch = _bwd_config(M, N, dev)
     n_parts = triton.cdiv(M, rows_per_prog)
     part_dm = torch.empty((n_parts, N), dtype=torch.float32, device=dev) if need_dm else mag
     part_db = torch.empty((n_parts, N), dtype=torch.float32, device=dev) if need_dbias else mag
@@ -368,7 +420,7 @@ def compose_bwd(
             dy2.stride(0), in2.stride(0), dres2.stride(0), dl2.stride(0), dbd2.stride(0),
             float(scale), float(eps),
             DELTA=bool(delta_form), WRITE_DRES=write_dres, WRITE_DLORA=d_lora is not None,
-            NEED_DM=bool(need_dm), NEED_DB=need_dbias, SOFT_BF16=not dy.is_cuda,
+            NEED_DM=bool(need_dm), NEED_DB=need_dbias, SOFT_BF16=not dy.is_cuda, PREFETCH=prefetch,
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
         )
         if need_dm or need_dbias:

@@ -12,9 +12,10 @@ Three launches per module, no temporaries beyond the fp32 results:
 Precision (everything accumulates in fp32):
 - bf16 ``W`` with fp32 ``A``: ``A`` is split in registers into ``hi + mid + lo`` (each bf16), three bf16 tensor-core
   products (``W`` is exact in bf16, so ``U`` keeps ~24 bits of ``A``'s mantissa: fp32-level, like the eager path).
-- bf16/fp16 ``W`` with ``A`` of the same dtype: one tensor-core product (products are exact in fp32).
-- fp32 / fp16 ``W`` otherwise: fp32 operands with ``input_precision="tf32x3"`` (fp32-level accuracy on tensor cores;
-  fp16 values are exact in tf32).
+- everything else (fp32 / fp16 ``W``, half-precision adapters, and ``G``): fp32 operands (half-precision tiles are
+  upcast in registers, no copies) with ``input_precision="tf32x3"``: fp32-level accuracy on tensor cores. A single
+  bf16 or tf32 tensor-core product accumulated over ``d_in`` measured ~1e-5 relative norm error on the H200 even
+  for exactly representable (half-precision) operands, so it is not used.
 The working set is ``U`` + ``G`` + two ``[d_out]`` vectors: no fp32 copy of ``W``, no ``[d_out, d_in]`` temporary.
 """
 
@@ -42,7 +43,6 @@ _W_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # dot modes of _norm_gram_kernel
 _MODE_FP32 = 0  # both operands to fp32, PREC input precision
 _MODE_SPLIT = 1  # half-precision X, fp32 A split into hi + mid + lo in X's dtype
-_MODE_HALF = 2  # half-precision X and A of the same dtype
 
 if AVAILABLE:
 
@@ -92,8 +92,6 @@ if AVAILABLE:
                     acc = tl.dot(xf32, lo, acc, input_precision="ieee")
                     acc = tl.dot(xf32, mid, acc, input_precision="ieee")
                     acc = tl.dot(xf32, hi, acc, input_precision="ieee")
-                elif MODE == 2:
-                    acc = tl.dot(x.to(tl.float32), a.to(x.dtype).to(tl.float32), acc, input_precision="ieee")
                 else:
                     acc = tl.dot(x.to(tl.float32), a.to(tl.float32), acc, input_precision="ieee")
             else:
@@ -107,8 +105,6 @@ if AVAILABLE:
                     acc = tl.dot(x, lo, acc)
                     acc = tl.dot(x, mid, acc)
                     acc = tl.dot(x, hi, acc)
-                elif MODE == 2:
-                    acc = tl.dot(x, a.to(x.dtype), acc)
                 else:
                     acc = tl.dot(x.to(tl.float32), a.to(tl.float32), acc, input_precision=PREC)
         tl.store(
@@ -185,43 +181,51 @@ def _num_sms(device: torch.device) -> int:
 _CONFIG_OVERRIDE: dict = {}
 
 
-def _gram_config(rows: int, R: int, device: torch.device, mode: int):
-    if mode in _CONFIG_OVERRIDE:
-        return _CONFIG_OVERRIDE[mode]
+def _gram_config(rows: int, R: int, device: torch.device, mode: int, gram_of_a: bool):
+    """(BLOCK_O, BLOCK_R, BLOCK_K, warps, stages), from the sweep in benchmarks/results/kernels_h200_run2.json
+    ("norm_sweep", 8192x8192): large row tiles win as long as the grid still covers about half the SMs (split mode
+    256x128x64: 0.45 ms vs 0.81 ms for 64x128x64; fp32 mode 128x128x32: 1.26 ms vs 1.35 ms)."""
+    key = "G" if gram_of_a else mode
+    if key in _CONFIG_OVERRIDE:
+        return _CONFIG_OVERRIDE[key]
+    if gram_of_a:  # G = A A^T: r x r outputs only, small tiles for parallelism
+        b = min(32, max(16, _next_pow2(R)))
+        return b, b, 64, 4, 3
     block_r = min(128, max(16, _next_pow2(R)))
-    block_k = 64 if mode != _MODE_FP32 else 32
     n_r = -(-R // block_r)
+    cands = (256, 128, 64, 32, 16) if mode == _MODE_SPLIT else (128, 64, 32, 16)
     block_o = 16
-    for cand in (128, 64, 32):
-        if -(-rows // cand) * n_r >= 2 * _num_sms(device):
+    for cand in cands:
+        if -(-rows // cand) * n_r * 2 >= _num_sms(device):
             block_o = cand
             break
     block_o = max(16, min(block_o, _next_pow2(rows)))
+    block_k = 64 if mode == _MODE_SPLIT else 32
     warps = 8 if block_o * block_r >= 128 * 128 else 4
     return block_o, block_r, block_k, warps, 3
 
 
-def _gram(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, base: Optional[torch.Tensor], upcast: bool) -> None:
+def _gram(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, base: Optional[torch.Tensor], upcast: bool,
+          gram_of_a: bool = False) -> None:
+    """out = x @ a^T (fp32), and base = rowsum(x^2) when given."""
     rows, K = x.shape
     R = a.shape[0]
-    if x.dtype == torch.float32 or x.dtype == torch.float16 and a.dtype != torch.float16 or x is a:
-        # fp32 operands; also G = A A^T whatever A's dtype: a sum of squares accumulated over d_in, where the
-        # half-precision tensor-core path measured ~1e-5 relative error on the H200 (tf32x3 on exact fp32 values
-        # stays at fp32 level)
-        mode = _MODE_FP32
-    elif a.dtype == x.dtype:
-        mode = _MODE_HALF
-    elif a.dtype == torch.float32:
+    if x.dtype == torch.bfloat16 and a.dtype == torch.float32 and not gram_of_a:
         mode = _MODE_SPLIT
-    else:  # bf16 W with fp16 A (or the reverse): exact in fp32 operands
+    else:
+        # fp32 operands (half-precision tiles upcast in registers) with tf32x3. Measured on the H200
+        # (benchmarks/results/kernels_h200_run{1,2,3}.json, tests/test_kernels_gpu.py): a single bf16 or tf32
+        # tensor-core product accumulated over d_in gave ~1e-5 relative norm error even on exactly representable
+        # operands, tf32x3 and the bf16 hi/mid/lo split stay at fp32 level (~1e-7).
         mode = _MODE_FP32
-    block_o, block_r, block_k, warps, stages = _gram_config(rows, R, x.device, mode)
+    prec = "tf32x3"
+    block_o, block_r, block_k, warps, stages = _gram_config(rows, R, x.device, mode, gram_of_a)
     grid = (triton.cdiv(rows, block_o) * triton.cdiv(R, block_r),)
     _norm_gram_kernel[grid](
         x, a, out, base if base is not None else out,
         rows, R, K,
         x.stride(0), x.stride(1), a.stride(0), a.stride(1), out.stride(0),
-        NEED_BASE=base is not None, MODE=mode, PREC="tf32x3", UPCAST=upcast,
+        NEED_BASE=base is not None, MODE=mode, PREC=prec, UPCAST=upcast,
         BLOCK_O=block_o, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
     )
 
@@ -254,7 +258,7 @@ def factored_norm_triton(
             base = torch.empty(d_out, dtype=torch.float32, device=dev)
         else:
             base = base_sq.detach().reshape(-1).to(device=dev, dtype=torch.float32).contiguous()
-        _gram(A, A, G, None, upcast)
+        _gram(A, A, G, None, upcast, gram_of_a=True)
         _gram(W, A, U, base if need_base else None, upcast)
         block_r = min(64, max(16, _next_pow2(r)))
         block_o = 64 if d_out >= 64 * _num_sms(dev) else 32
