@@ -22,6 +22,7 @@ from peft.utils.other import transpose
 from torch import nn
 
 from . import config as _config
+from . import distributed as _distributed
 from .ops.compose import acc_dtype_for, dora_compose
 from .ops.norm import factored_norm
 from .stats import active_path_counter, record
@@ -133,11 +134,17 @@ class _FastDoraMixin:
         kernels, budget = opts.kernels, opts.norm_budget_bytes
         if torch.compiler.is_compiling() or not opts.cache_norm:
             return factored_norm(weight_fn(), lora_A, lora_B, scale, None, budget, kernels)[0]
-        wkey = _tkey(weight_src)
-        akey, bkey = _tkey(lora_A), _tkey(lora_B)
-        if wkey is None or akey is None or bkey is None:
+        if _distributed.active():  # sharding engines: epoch-based key (see fastdora.distributed)
+            key = _distributed.cache_key(self, (weight_src, lora_A, lora_B), scale)
+            wkey = _distributed.base_key(weight_src)
+        else:
+            # the optimizer-step epoch catches updates that bump no version counter (fused optimizers, `.data`
+            # writes inside optimizers); W, A, B identity + versions catch every other in-place change or swap
+            _distributed._ensure_hooks(self)
+            wkey, akey, bkey = _tkey(weight_src), _tkey(lora_A), _tkey(lora_B)
+            key = None if (akey is None or bkey is None) else (_distributed.epoch(), wkey, akey, bkey, float(scale))
+        if key is None or wkey is None:
             return factored_norm(weight_fn(), lora_A, lora_B, scale, None, budget, kernels)[0]
-        key = (wkey, akey, bkey, float(scale))
         cache = self.__dict__.setdefault("_fastdora_norm", {})
         hit = cache.get(adapter_name)
         if hit is not None and hit[0] == key:
@@ -181,14 +188,19 @@ class FastDoraLinearLayer(_FastDoraMixin, PEFT_CLASSES["DoraLinearLayer"]):
         fastdora_result=None,
         fastdora_out_dtype=None,
     ):
-        norm = self._fd_linear_norm(base_layer, lora_A, lora_B, scaling, adapter_name)
+        if _distributed.active():  # factors / base weight may be sharded outside their own calls
+            norm, lora = _distributed.linear_norm_and_lora(self, x, base_layer, lora_A, lora_B, scaling, adapter_name)
+        else:
+            norm = self._fd_linear_norm(base_layer, lora_A, lora_B, scaling, adapter_name)
+            lora = lora_B(lora_A(x))
         self._fd_peft_cache(adapter_name, norm)
         eps = eps_for(x.dtype)
-        lora = lora_B(lora_A(x))
         base_delta = None
         if base_result is None:
-            weight = dequantize_module_weight(base_layer).to(x.dtype)
-            base_delta = F.linear(x, transpose(weight, self.fan_in_fan_out))
+            base_delta = _distributed.base_delta(base_layer, x, self.fan_in_fan_out) if _distributed.active() else None
+            if base_delta is None:
+                weight = dequantize_module_weight(base_layer).to(x.dtype)
+                base_delta = F.linear(x, transpose(weight, self.fan_in_fan_out))
         if fastdora_result is not None:
             bias = getattr(base_layer, "bias", None) if base_delta is None else None
             return dora_compose(
@@ -366,7 +378,7 @@ def _out_dtype(module, result: torch.Tensor) -> Optional[torch.dtype]:
 
 
 def _invalidate(module, active_adapter: str) -> None:
-    mag = module.lora_magnitude_vector[active_adapter]
+    mag = _distributed.unwrap(module.lora_magnitude_vector[active_adapter])
     if isinstance(mag, _FastDoraMixin):
         mag._fd_invalidate()
 
@@ -409,8 +421,8 @@ class FastDoraLinearVariant(PEFT_CLASSES["DoraLinearVariant"]):
 
     @staticmethod
     def forward(module, active_adapter, x, result, **kwargs):
-        mag = module.lora_magnitude_vector[active_adapter]
-        if not isinstance(mag, _FastDoraMixin):
+        mag = module.lora_magnitude_vector[active_adapter]  # may be an FSDP1 unit: call it, check what it wraps
+        if not isinstance(_distributed.unwrap(mag), _FastDoraMixin):
             return PEFT_CLASSES["DoraLinearVariant"].forward(module, active_adapter, x, result, **kwargs)
         dropout = module.lora_dropout[active_adapter]
         if isinstance(dropout, nn.Identity) or not module.training:
@@ -469,7 +481,7 @@ def _conv_variant(peft_name: str):
         @staticmethod
         def forward(module, active_adapter, x, result, **kwargs):
             mag = module.lora_magnitude_vector[active_adapter]
-            if not isinstance(mag, _FastDoraMixin):
+            if not isinstance(_distributed.unwrap(mag), _FastDoraMixin):
                 return peft_cls.forward(module, active_adapter, x, result, **kwargs)
             return FastDoraLinearVariant.forward(module, active_adapter, x, result, **kwargs)
 

@@ -344,3 +344,19 @@ def test_peft_dora_caching_helper_semantics(model_fn):
         with helpers.DoraCaching():
             assert_close(fast(x), plain, F64)
             assert not any(caches)
+
+
+@pytest.mark.parametrize("opt_kwargs", [dict(fused=True), dict(foreach=True), dict(foreach=False)], ids=str)
+def test_norm_recomputed_after_fused_optimizer_step(opt_kwargs):
+    """torch's fused AdamW updates parameters without bumping their version counters: the optimizer-step epoch
+    must still invalidate the cached norm."""
+    ref, fast = make_pair(MLP, dtype=torch.float32)
+    x = model_input(ref.base_model.model, torch.float32)
+    for m in (ref, fast):
+        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=0.05, **opt_kwargs)
+        for _ in range(3):
+            m(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    with torch.no_grad():
+        assert_close(fast(x), ref(x), torch.float32, f"after AdamW({opt_kwargs}) steps")

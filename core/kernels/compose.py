@@ -22,6 +22,7 @@ module's docstring. Design:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Optional
 
@@ -263,6 +264,11 @@ def _next_pow2(n: int) -> int:
 def _fwd_config(M: int, N: int, device: torch.device) -> tuple[int, int, int]:
     if "fwd" in _CONFIG_OVERRIDE:
         return _CONFIG_OVERRIDE["fwd"]
+    return _fwd_config_cached(M, N)
+
+
+@functools.lru_cache(maxsize=4096)
+def _fwd_config_cached(M: int, N: int) -> tuple[int, int, int]:
     block_n = min(_next_pow2(N), 1024)
     block_m = max(1, min(_next_pow2(M), 8192 // block_n))
     warps = 8 if block_m * block_n >= 8192 else 4
@@ -272,6 +278,17 @@ def _fwd_config(M: int, N: int, device: torch.device) -> tuple[int, int, int]:
 def _bwd_config(M: int, N: int, device: torch.device) -> tuple[int, int, int, int, bool]:
     """(BLOCK_M, BLOCK_N, warps, rows_per_prog, prefetch): depends only on the shape and the GPU model, so the
     magnitude-gradient summation order is fixed (bitwise deterministic)."""
+    if "bwd" not in _CONFIG_OVERRIDE:
+        return _bwd_config_cached(M, N, device)
+    return _bwd_config_uncached(M, N, device)
+
+
+@functools.lru_cache(maxsize=4096)
+def _bwd_config_cached(M: int, N: int, device: torch.device) -> tuple[int, int, int, int, bool]:
+    return _bwd_config_uncached(M, N, device)
+
+
+def _bwd_config_uncached(M: int, N: int, device: torch.device) -> tuple[int, int, int, int, bool]:
     if "bwd" in _CONFIG_OVERRIDE:
         block_m, block_n, warps, target, prefetch = _CONFIG_OVERRIDE["bwd"]
     else:
@@ -308,7 +325,18 @@ def _rows(t: torch.Tensor, N: int) -> torch.Tensor:
 
 
 def _vec(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).contiguous()
+    # the launcher only reads the data pointer: no detach needed (saves host time on the hot path)
+    return t if (t.dim() == 1 and t.is_contiguous()) else t.reshape(-1).contiguous()
+
+
+_NULL = contextlib.nullcontext()
+
+
+def _device_ctx(t: torch.Tensor):
+    """Switch the current CUDA device only when ``t`` is on another one (the common case needs no switch)."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return _NULL
 
 
 def _kernel_ok(*tensors: Optional[torch.Tensor]) -> bool:
@@ -346,7 +374,7 @@ def compose_fwd(result, lora, magnitude, norm, scale, eps, bias, base_delta, out
     b = _vec(bias) if bias is not None else mag
     block_m, block_n, warps = _fwd_config(M, N, result.device)
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-    with torch.cuda.device(result.device) if result.is_cuda else _nullctx():
+    with _device_ctx(result):
         _dora_fwd_kernel[grid](
             r2, l2, d2, b, mag, nrm, y2, i2,
             M, N,
@@ -412,7 +440,7 @@ def compose_bwd(
     part_dm = torch.empty((n_parts, N), dtype=torch.float32, device=dev) if need_dm else mag
     part_db = torch.empty((n_parts, N), dtype=torch.float32, device=dev) if need_dbias else mag
     grid = (n_parts, triton.cdiv(N, block_n))
-    with torch.cuda.device(dev) if dy.is_cuda else _nullctx():
+    with _device_ctx(dy):
         _dora_bwd_kernel[grid](
             dy2, in2, mag, nrm,
             dres2, dl2, dbd2, part_dm, part_db,

@@ -292,11 +292,9 @@ def dora_compose(
     impl = dispatch.compose_impl(result, lora, magnitude, bias, base_delta, feature_dim, kernels)
     if kind is not None:
         record(f"{kind}:{impl.name}")
-    if impl is EAGER and not torch.is_grad_enabled():
-        y, _ = compose_fwd_eager(
-            result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, False, feature_dim
-        )
-        return y
+    if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        # inference path: no autograd node, nothing saved
+        return impl.compose_fwd(result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, False, feature_dim)[0]
     return impl.apply(result, lora, magnitude, norm, bias, base_delta, scale, eps, out_dtype, feature_dim)
 
 

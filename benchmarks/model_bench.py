@@ -1,0 +1,674 @@
+#!/usr/bin/env python3
+"""Model-level DoRA benchmark (issue 5): fastdora vs stock PEFT DoRA vs stock PEFT LoRA.
+
+Random-initialised decoders with real shapes (Qwen3-8B, Mistral-Small-24B; N decoder layers), DoRA / LoRA on
+q,k,v,o,gate,up,down (rsLoRA, lora_alpha=16, lora_B filled with small random values so no operand is all zeros),
+seq 4096, batch 1, gradient accumulation 8, non-reentrant gradient checkpointing, loss on the last 1024 tokens
+(``logits_to_keep=1025``), then an optimizer step on the adapter parameters (SGD, lr=0: a real in-place update
+that bumps every parameter's version counter, so a norm cache is invalidated and recomputed once per iteration,
+exactly as in training).
+
+Setups:
+  amp  : base bf16, adapters fp32 (PEFT's default autocast_adapter_dtype=True), forward under bf16 autocast
+  bf16 : everything bf16 (adapters cast to bf16), no autocast
+
+Variants (each in its own process):
+  lora       stock PEFT LoRA, same rank
+  peft_dora  stock PEFT DoRA
+  fastdora   stock PEFT DoRA + fastdora.enable(model)
+  eager      stock PEFT DoRA + fastdora.enable(model, kernels="eager")
+
+Measures: gradient-iteration time (8 micro-batches fwd+bwd + optimizer step + zero_grad), inference forward time
+(eval, no_grad, prefill of the 4096 tokens, ``logits_to_keep=1``), peak allocated / reserved memory of the training
+iterations and of inference. Medians over repeats after warm-up.
+
+Usage:
+  python benchmarks/model_bench.py --out DIR [--budget-s 270] [--plan h200|full|targets|tiny]   # parent
+  python benchmarks/model_bench.py --report DIR/model_bench.json                                 # tables + plot
+  python benchmarks/model_bench.py --tiny --device cpu --out /tmp/mb                             # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+SHAPES = {
+    "qwen3-8b": dict(arch="qwen3", hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936, full_layers=36),
+    "mistral-small-24b": dict(arch="mistral", hidden_size=5120, intermediate_size=32768, num_attention_heads=32,
+                              num_key_value_heads=8, head_dim=128, vocab_size=131072, full_layers=40),
+    "tiny": dict(arch="qwen3", hidden_size=64, intermediate_size=160, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=512, full_layers=2),
+}
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+VARIANTS = ["lora", "peft_dora", "fastdora", "eager"]
+VARIANT_LABEL = {"lora": "PEFT LoRA", "peft_dora": "PEFT DoRA", "fastdora": "fastdora DoRA",
+                 "eager": "fastdora eager"}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# worker: one (shape, layers, rank, setup, variant) in this process
+# ----------------------------------------------------------------------------------------------------------------
+
+def _sync(dev):
+    import torch
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def build_model(cfg_args, dev):
+    import torch
+    from transformers import AutoModelForCausalLM, MistralConfig, Qwen3Config
+
+    sh = dict(SHAPES[cfg_args.shape])
+    arch = sh.pop("arch")
+    sh.pop("full_layers")
+    cls = Qwen3Config if arch == "qwen3" else MistralConfig
+    cfg = cls(**sh, num_hidden_layers=cfg_args.layers, max_position_embeddings=max(cfg_args.seq, 4096),
+              tie_word_embeddings=False, use_cache=False, rms_norm_eps=1e-6)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    return model
+
+
+def apply_adapter(model, a, dev):
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lcfg = LoraConfig(r=a.rank, lora_alpha=16, use_rslora=True, use_dora=(a.variant != "lora"),
+                      target_modules=TARGETS, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+    torch.manual_seed(1)
+    model = get_peft_model(model, lcfg, autocast_adapter_dtype=(a.setup == "amp"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 1e-3)  # a trained-looking adapter; zeros would flatter the matmuls
+            if a.setup == "bf16" and p.dtype != torch.bfloat16:
+                p.data = p.data.to(torch.bfloat16)
+    info = {}
+    if a.variant in ("fastdora", "eager"):
+        try:
+            import fastdora
+        except Exception as e:  # noqa: BLE001
+            raise RuntimeError(f"variant {a.variant} needs `import fastdora` (pip install -e . from the repo root, "
+                               f"or PYTHONPATH with core/ mapped to fastdora): {e!r}") from e
+        if not hasattr(fastdora, "enable"):
+            raise RuntimeError("fastdora has no enable() yet (core/__init__.py not written?)")
+        opts = {} if a.variant == "fastdora" else {"kernels": "eager"}
+        rep = fastdora.enable(model, **opts)
+        info["enable_report"] = _jsonable(rep)
+    return model, info
+
+
+def _jsonable(obj):
+    import dataclasses
+    if dataclasses.is_dataclass(obj):
+        try:
+            return json.loads(json.dumps(dataclasses.asdict(obj), default=str))
+        except Exception:  # noqa: BLE001
+            pass
+    if isinstance(obj, dict):
+        return json.loads(json.dumps(obj, default=str))
+    return str(obj)
+
+
+def path_counter():
+    try:
+        import fastdora.layers as L
+        return dict(L.active_path_counter)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def run_worker(a):
+    import contextlib
+
+    import torch
+    import torch.nn.functional as F
+
+    if a.wait_go:
+        print("READY", flush=True)
+        line = sys.stdin.readline()
+        if line.strip() != "go":
+            sys.exit(3)
+    t_start = time.perf_counter()
+    dev = torch.device(a.device)
+    rec = dict(shape=a.shape, layers=a.layers, rank=a.rank, setup=a.setup, variant=a.variant, seq=a.seq,
+               ga=a.ga, loss_tokens=a.loss_tokens, device=str(dev))
+    rec["versions"] = dict(torch=torch.__version__)
+    for mod in ("transformers", "peft", "triton"):
+        try:
+            rec["versions"][mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001
+            pass
+    if dev.type == "cuda":
+        rec["gpu"] = torch.cuda.get_device_name(dev)
+    model = build_model(a, dev)
+    model, info = apply_adapter(model, a, dev)
+    rec.update(info)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    rec["trainable_params"] = sum(p.numel() for p in trainable)
+    rec["trainable_dtype"] = str(trainable[0].dtype)
+    rec["build_s"] = time.perf_counter() - t_start
+    opt = torch.optim.SGD(trainable, lr=0.0)
+    ctx = (lambda: torch.autocast(dev.type, dtype=torch.bfloat16)) if a.setup == "amp" else contextlib.nullcontext
+    vocab = SHAPES[a.shape]["vocab_size"]
+    g = torch.Generator(device="cpu").manual_seed(123)
+    micro = [torch.randint(0, vocab, (1, a.seq), generator=g).to(dev) for _ in range(a.ga)]
+    keep = a.loss_tokens + 1
+
+    def loss_of(ids):
+        with ctx():
+            logits = model(input_ids=ids, logits_to_keep=keep, use_cache=False).logits
+        return F.cross_entropy(logits[0, :-1].float(), ids[0, -a.loss_tokens:])
+
+    def grad_iter(n_micro=a.ga):
+        for ids in micro[:n_micro]:
+            (loss_of(ids) / n_micro).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def infer():
+        with torch.no_grad(), ctx():
+            return model(input_ids=micro[0], logits_to_keep=1, use_cache=False).logits
+
+    def timed(fn):
+        _sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        _sync(dev)
+        return time.perf_counter() - t0
+
+    model.train()
+    probe = next(p for n, p in model.named_parameters() if "lora_A" in n and p.requires_grad)
+    v0 = probe._version
+    # warm-up (Triton compile/autotune, allocator, cuBLAS heuristics) on a.warmup_ga micro-batches + a step
+    t = [timed(lambda: grad_iter(min(a.warmup_ga, a.ga))) for _ in range(a.warmup)]
+    rec["warmup_grad_s"] = t
+    rec["norm_invalidated_per_step"] = probe._version > v0
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    ts = [timed(grad_iter) for _ in range(a.repeats)]
+    rec["grad_iter_s_all"] = ts
+    rec["grad_iter_s"] = statistics.median(ts)
+    rec["grad_iter_min_s"] = min(ts)
+    if dev.type == "cuda":
+        rec["train_peak_alloc_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9
+        rec["train_peak_reserved_gb"] = torch.cuda.max_memory_reserved(dev) / 1e9
+    rec["loss_last"] = float(loss_of(micro[0]).detach())
+
+    model.eval()
+    for _ in range(a.inf_warmup):
+        timed(infer)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    ti = [timed(infer) for _ in range(a.inf_repeats)]
+    rec["infer_s_all"] = ti
+    rec["infer_s"] = statistics.median(ti)
+    if dev.type == "cuda":
+        rec["infer_peak_alloc_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9
+        rec["infer_peak_reserved_gb"] = torch.cuda.max_memory_reserved(dev) / 1e9
+    rec["path_counter"] = path_counter()
+
+    if a.profile_out:
+        rec["profile"] = profile(model, grad_iter, infer, dev, a)
+    rec["worker_s"] = time.perf_counter() - t_start
+    with open(a.result, "w") as f:
+        json.dump(rec, f, indent=1)
+
+
+def profile(model, grad_iter, infer, dev, a):
+    """Top kernels of one grad iteration (a.profile_ga micro-batches + optimizer step) and one inference."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprof
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    out = {}
+    lines = []
+    for name, fn, train in (("grad_iter", lambda: grad_iter(a.profile_ga), True), ("inference", infer, False)):
+        model.train(train)
+        fn()
+        _sync(dev)
+        with tprof(activities=acts) as prof:
+            t0 = time.perf_counter()
+            fn()
+            _sync(dev)
+            wall = time.perf_counter() - t0
+        kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.device_time for e in kern) / 1e6 if kern else 0.0
+        ka = prof.key_averages()
+        sort = "device_time_total" if dev.type == "cuda" else "cpu_time_total"
+        try:
+            table = ka.table(sort_by=sort, row_limit=30, max_name_column_width=70)
+        except Exception:  # noqa: BLE001
+            table = ka.table(sort_by="cpu_time_total", row_limit=30)
+        out[name] = dict(wall_s=wall, kernel_count=len(kern), kernel_busy_s=busy,
+                         gpu_busy_frac=(busy / wall if wall else None))
+        lines.append(f"==== {a.shape} L={a.layers} r={a.rank} {a.setup} {a.variant} :: {name} "
+                     f"(micro-batches={a.profile_ga if train else 1}) wall {wall*1e3:.1f} ms, "
+                     f"{len(kern)} kernels, kernel time {busy*1e3:.1f} ms "
+                     f"(GPU busy {100*busy/wall if wall else 0:.0f}%)\n")
+        lines.append(table + "\n")
+    with open(a.profile_out, "a") as f:
+        f.writelines(lines)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# parent: plan, schedule within a time budget, collect
+# ----------------------------------------------------------------------------------------------------------------
+
+def plan_configs(plan, layers_q, layers_m):
+    """Configs in priority order. Each: dict(shape, layers, rank, setup, variant[, profile])."""
+    cfgs = []
+
+    def add(shape, layers, rank, setups=("amp", "bf16"), variants=VARIANTS):
+        for s in setups:
+            for v in variants:
+                cfgs.append(dict(shape=shape, layers=layers, rank=rank, setup=s, variant=v))
+
+    if plan == "tiny":
+        add("tiny", 2, 8)
+        add("tiny", 2, 4, setups=("amp",), variants=("lora", "peft_dora", "fastdora"))
+        for c in cfgs[:4]:
+            c["profile"] = True
+        return cfgs
+    if plan == "final":  # the r=384 targets without eager/profiling, fastdora and LoRA first (short device budget)
+        for setup in ("amp", "bf16"):
+            add("qwen3-8b", layers_q, 384, setups=(setup,), variants=("lora", "fastdora"))
+        add("qwen3-8b", layers_q, 384, variants=("peft_dora",))
+        return cfgs
+    if plan == "r16":  # the no-regression check alone (AMP first)
+        add("qwen3-8b", layers_q, 16, setups=("amp",), variants=("peft_dora", "fastdora", "lora"))
+        return cfgs
+    # 1. the targets: Qwen3-8B r=384, both precisions, all four variants; the AMP ones also profiled
+    add("qwen3-8b", layers_q, 384)
+    for c in cfgs[:4]:
+        c["profile"] = True
+    # 2. no-regression: r=16
+    add("qwen3-8b", layers_q, 16)
+    if plan == "targets":
+        return cfgs
+    three = ("lora", "peft_dora", "fastdora")
+    # 3. second shape, target rank then small rank
+    add("mistral-small-24b", layers_m, 384, variants=three)
+    add("mistral-small-24b", layers_m, 16, variants=three)
+    # 4. the other ranks
+    for r in (64, 768):
+        add("qwen3-8b", layers_q, r, variants=three)
+    for r in (64, 768):
+        add("mistral-small-24b", layers_m, r, variants=three)
+    if plan == "full":
+        for r in (16, 64, 768):
+            add("qwen3-8b", layers_q, r, variants=("eager",))
+    # 5. full depth, one rank/setup (only if the budget is left)
+    full = SHAPES["qwen3-8b"]["full_layers"]
+    for v in ("lora", "fastdora", "peft_dora"):
+        cfgs.append(dict(shape="qwen3-8b", layers=full, rank=384, setup="amp", variant=v, full_depth=True))
+    seen, out = set(), []
+    for c in cfgs:
+        k = tuple(sorted(c.items()))
+        if k not in seen:
+            seen.add(k)
+            out.append(c)
+    return out
+
+
+def estimate_s(c, observed):
+    """Wall-clock guess for one config, from the largest observed wall of the same (shape, layers)."""
+    key = (c["shape"], c["layers"])
+    if key in observed:
+        base = observed[key]
+    else:
+        per_layer = {"qwen3-8b": 1.5, "mistral-small-24b": 4.3, "tiny": 0.5}[c["shape"]]
+        base = 8 + per_layer * c["layers"]
+    if c.get("variant") == "peft_dora":
+        base *= 1.3
+    return base
+
+
+def worker_cmd(c, a, result, profile_out):
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--wait-go",
+           "--shape", c["shape"], "--layers", str(c["layers"]), "--rank", str(c["rank"]),
+           "--setup", c["setup"], "--variant", c["variant"], "--device", a.device, "--result", result,
+           "--seq", str(a.seq), "--ga", str(a.ga), "--loss-tokens", str(a.loss_tokens),
+           "--warmup", str(a.warmup), "--warmup-ga", str(a.warmup_ga), "--repeats", str(a.repeats),
+           "--inf-warmup", str(a.inf_warmup), "--inf-repeats", str(a.inf_repeats)]
+    if c.get("full_depth"):
+        cmd[cmd.index("--repeats") + 1] = "2"
+    if c.get("profile"):
+        cmd += ["--profile-out", profile_out]
+    return cmd
+
+
+class Pending:
+    def __init__(self, c, cmd, result):
+        self.c, self.cmd, self.result = c, cmd, result
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, cwd=REPO)
+
+    def go(self, timeout):
+        """Wait for READY (imports done while the previous config ran), then start it and wait."""
+        line = self.proc.stdout.readline()
+        t0 = time.perf_counter()
+        if line.strip() != "READY":
+            out, err = self.proc.communicate()
+            return None, time.perf_counter() - t0, f"worker did not get ready: {line}{out}{err}"[-4000:]
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, err = self.proc.communicate()
+            return None, time.perf_counter() - t0, f"timeout after {timeout}s\n{err[-3000:]}"
+        wall = time.perf_counter() - t0
+        if self.proc.returncode != 0 or not os.path.exists(self.result):
+            return None, wall, f"rc={self.proc.returncode}\n{err[-4000:]}"
+        with open(self.result) as f:
+            return json.load(f), wall, None
+
+    def cancel(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
+
+
+def run_parent(a):
+    os.makedirs(a.out, exist_ok=True)
+    wdir = os.path.join(a.out, "workers")
+    os.makedirs(wdir, exist_ok=True)
+    profile_out = os.path.join(a.out, "model_bench_profile.txt")
+    if os.path.exists(profile_out):
+        os.remove(profile_out)
+    cfgs = plan_configs(a.plan, a.layers, a.layers_mistral)
+    t_begin = time.perf_counter()
+    results, skipped, errors, observed = [], [], [], {}
+
+    def make(i):
+        c = cfgs[i]
+        res = os.path.join(wdir, f"cfg{i:03d}.json")
+        if os.path.exists(res):
+            os.remove(res)
+        return Pending(c, worker_cmd(c, a, res, profile_out), res)
+
+    nxt = make(0) if cfgs else None
+    for i, c in enumerate(cfgs):
+        cur = nxt
+        nxt = None
+        elapsed = time.perf_counter() - t_begin
+        est = estimate_s(c, observed)
+        tag = (f"{c['shape']} L={c['layers']} r={c['rank']} {c['setup']} {c['variant']}"
+               + (" [profile]" if c.get("profile") else "") + (" [full depth]" if c.get("full_depth") else ""))
+        if elapsed + est > a.budget_s:
+            cur.cancel()
+            skipped.append(dict(c, reason=f"budget: {elapsed:.0f}s used + ~{est:.0f}s est > {a.budget_s}s"))
+            print(f"[{elapsed:6.1f}s] SKIP {tag} (est {est:.0f}s, budget)", flush=True)
+            if i + 1 < len(cfgs):
+                nxt = make(i + 1)
+            continue
+        # the next worker imports (CPU only) while this one runs; it touches CUDA only after "go"
+        if i + 1 < len(cfgs):
+            nxt = make(i + 1)
+        rec, wall, err = cur.go(timeout=max(60.0, min(a.budget_s - elapsed + 30, 3 * est + 60)))
+        key = (c["shape"], c["layers"])
+        observed[key] = max(observed.get(key, 0.0), wall / (1.3 if c["variant"] == "peft_dora" else 1.0))
+        if err:
+            errors.append(dict(c, error=err))
+            tail = "\n    ".join(err.strip().splitlines()[-12:])
+            print(f"[{elapsed:6.1f}s] FAIL {tag} ({wall:.1f}s):\n    {tail}", flush=True)
+            continue
+        rec["wall_s"] = wall
+        rec["full_depth"] = bool(c.get("full_depth"))
+        results.append(rec)
+        print(f"[{elapsed:6.1f}s] done {tag}: grad {rec['grad_iter_s']:.3f}s  inf {rec['infer_s']*1e3:.1f}ms  "
+              f"peak {rec.get('train_peak_alloc_gb', float('nan')):.2f}GB  ({wall:.1f}s)", flush=True)
+    if nxt is not None:
+        nxt.cancel()
+    doc = dict(meta=dict(argv=sys.argv, plan=a.plan, seq=a.seq, ga=a.ga, loss_tokens=a.loss_tokens,
+                         warmup=a.warmup, repeats=a.repeats, inf_warmup=a.inf_warmup, inf_repeats=a.inf_repeats,
+                         lora_alpha=16, use_rslora=True, targets=TARGETS,
+                         total_s=time.perf_counter() - t_begin, date=time.strftime("%Y-%m-%d %H:%M:%S UTC",
+                                                                                    time.gmtime())),
+               results=results, skipped=skipped, errors=errors)
+    path = os.path.join(a.out, "model_bench.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    report(path, a.out)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# report: markdown tables, targets PASS/MISS, plot
+# ----------------------------------------------------------------------------------------------------------------
+
+def _index(results):
+    idx = {}
+    for r in results:
+        idx[(r["shape"], r["layers"], r["setup"], r["rank"], r["variant"])] = r
+    return idx
+
+
+def tables(doc):
+    idx = _index(doc["results"])
+    groups = sorted({k[:4] for k in idx}, key=lambda k: (k[0] != "qwen3-8b", k[0], k[1], k[2], k[3]))
+    md = []
+    m = doc.get("meta", {})
+    md.append(f"seq {m.get('seq')}, batch 1, grad accumulation {m.get('ga')}, loss on last {m.get('loss_tokens')} "
+              f"tokens, non-reentrant gradient checkpointing, rsLoRA alpha 16, targets q,k,v,o,gate,up,down; "
+              f"grad iter = {m.get('ga')} micro-batches fwd+bwd + SGD(lr=0) step; medians of {m.get('repeats')} "
+              f"after {m.get('warmup')} warm-up (inference: {m.get('inf_repeats')} after {m.get('inf_warmup')}).\n")
+    md.append("| shape | layers | setup | r | variant | grad iter (s) | vs LoRA | PEFT DoRA / this | "
+              "inference (ms) | vs LoRA | PEFT DoRA / this | train peak alloc (GB) | train peak reserved (GB) | "
+              "inf peak alloc (GB) | path |")
+    md.append("|" + "---|" * 15)
+    for gk in groups:
+        lora = idx.get(gk + ("lora",))
+        pd = idx.get(gk + ("peft_dora",))
+        for v in VARIANTS:
+            r = idx.get(gk + (v,))
+            if r is None:
+                continue
+
+            def rat(x, y):
+                return f"{x / y:.3f}x" if (x and y) else "-"
+            pc = r.get("path_counter") or {}
+            path = ", ".join(f"{k}" for k in sorted(pc) if pc[k]) if pc else ""
+            md.append(f"| {gk[0]} | {gk[1]} | {gk[2]} | {gk[3]} | {VARIANT_LABEL[v]} | {r['grad_iter_s']:.3f} | "
+                      f"{rat(r['grad_iter_s'], lora and lora['grad_iter_s'])} | "
+                      f"{rat(pd and pd['grad_iter_s'], r['grad_iter_s'])} | {r['infer_s'] * 1e3:.1f} | "
+                      f"{rat(r['infer_s'], lora and lora['infer_s'])} | {rat(pd and pd['infer_s'], r['infer_s'])} | "
+                      f"{r.get('train_peak_alloc_gb', float('nan')):.2f} | "
+                      f"{r.get('train_peak_reserved_gb', float('nan')):.2f} | "
+                      f"{r.get('infer_peak_alloc_gb', float('nan')):.2f} | {path} |")
+    return "\n".join(md)
+
+
+def target_checks(doc):
+    idx = _index(doc["results"])
+    rows = []
+
+    def chk(name, value, op, thr, where):
+        if value is None:
+            rows.append((name, where, "n/a", f"{op} {thr}", "NOT RUN"))
+            return
+        ok = value <= thr if op == "<=" else value >= thr
+        rows.append((name, where, f"{value:.3f}", f"{op} {thr}", "PASS" if ok else "MISS"))
+
+    def get(k, field):
+        r = idx.get(k)
+        return r[field] if (r and field in r) else None
+
+    def ratio(x, y):
+        return x / y if (x is not None and y) else None
+
+    tgt = [k for k in idx if k[0] == "qwen3-8b" and k[3] == 384 and k[4] == "fastdora"]
+    layers = sorted({k[1] for k in tgt})
+    for L in layers:
+        for setup, (sp_g, sp_i) in (("amp", (1.85, 2.2)), ("bf16", (1.45, 1.7))):
+            g = ("qwen3-8b", L, setup, 384)
+            where = f"qwen3-8b L={L} r=384 {setup}"
+            fd_g, fd_i = get(g + ("fastdora",), "grad_iter_s"), get(g + ("fastdora",), "infer_s")
+            lo_g, lo_i = get(g + ("lora",), "grad_iter_s"), get(g + ("lora",), "infer_s")
+            pd_g, pd_i = get(g + ("peft_dora",), "grad_iter_s"), get(g + ("peft_dora",), "infer_s")
+            eg_g, eg_i = get(g + ("eager",), "grad_iter_s"), get(g + ("eager",), "infer_s")
+            chk("fastdora grad iter / LoRA", ratio(fd_g, lo_g), "<=", 1.03, where)
+            chk("fastdora inference / LoRA", ratio(fd_i, lo_i), "<=", 1.02, where)
+            chk("PEFT DoRA / fastdora grad iter (speed-up)", ratio(pd_g, fd_g), ">=", sp_g, where)
+            chk("PEFT DoRA / fastdora inference (speed-up)", ratio(pd_i, fd_i), ">=", sp_i, where)
+            chk("eager fallback grad iter / LoRA (tax)", ratio(eg_g, lo_g), "<=", 1.19, where)
+            chk("eager fallback inference / LoRA (tax)", ratio(eg_i, lo_i), "<=", 1.09, where)
+            fa = get(g + ("fastdora",), "train_peak_alloc_gb")
+            chk("fastdora peak alloc / LoRA", ratio(fa, get(g + ("lora",), "train_peak_alloc_gb")), "<=", 1.03, where)
+    # every config: fastdora not slower than PEFT DoRA, peak alloc never above PEFT DoRA
+    for k in sorted(idx):
+        if k[4] != "fastdora":
+            continue
+        g = k[:4]
+        where = f"{g[0]} L={g[1]} r={g[3]} {g[2]}"
+        pd = idx.get(g + ("peft_dora",))
+        if pd is None:
+            continue
+        r = idx[k]
+        chk("fastdora grad iter / PEFT DoRA", r["grad_iter_s"] / pd["grad_iter_s"], "<=", 1.0, where)
+        chk("fastdora inference / PEFT DoRA", r["infer_s"] / pd["infer_s"], "<=", 1.0, where)
+        if "train_peak_alloc_gb" in r and "train_peak_alloc_gb" in pd:
+            chk("fastdora peak alloc / PEFT DoRA", r["train_peak_alloc_gb"] / pd["train_peak_alloc_gb"], "<=", 1.0,
+                where)
+    md = ["| target | where | measured | threshold | result |", "|---|---|---|---|---|"]
+    md += [f"| {a} | {b} | {c} | {d} | {e} |" for a, b, c, d, e in rows]
+    return "\n".join(md), rows
+
+
+def plot(doc, png):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:  # noqa: BLE001
+        print(f"(no plot: matplotlib unavailable: {e})")
+        return False
+    idx = _index(doc["results"])
+    groups = sorted({(k[0], k[1], k[2]) for k in idx}, key=lambda k: (k[0] != "qwen3-8b", k[0], k[1], k[2]))
+    if not groups:
+        return False
+    metrics = [("grad_iter_s", "grad iteration (s)"), ("infer_s", "inference fwd (ms)"),
+               ("train_peak_alloc_gb", "train peak alloc (GB)")]
+    colors = {"lora": "#888888", "peft_dora": "#d62728", "fastdora": "#2ca02c", "eager": "#1f77b4"}
+    fig, axes = plt.subplots(len(groups), 3, figsize=(15, 3.2 * len(groups)), squeeze=False)
+    for gi, g in enumerate(groups):
+        ranks = sorted({k[3] for k in idx if k[:3] == g})
+        for mi, (field, label) in enumerate(metrics):
+            ax = axes[gi][mi]
+            w = 0.8 / len(VARIANTS)
+            for vi, v in enumerate(VARIANTS):
+                xs, ys = [], []
+                for ri, r in enumerate(ranks):
+                    rec = idx.get(g + (r, v))
+                    if rec and field in rec:
+                        xs.append(ri + (vi - 1.5) * w)
+                        ys.append(rec[field] * (1e3 if field == "infer_s" else 1.0))
+                if xs:
+                    ax.bar(xs, ys, w, label=VARIANT_LABEL[v], color=colors[v])
+            ax.set_xticks(range(len(ranks)))
+            ax.set_xticklabels([f"r={r}" for r in ranks])
+            ax.set_title(f"{g[0]} L={g[1]} {g[2]}: {label}", fontsize=9)
+            if gi == 0 and mi == 0:
+                ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def report(path, outdir=None):
+    with open(path) as f:
+        doc = json.load(f)
+    outdir = outdir or os.path.dirname(os.path.abspath(path))
+    t = tables(doc)
+    tc, rows = target_checks(doc)
+    extra = []
+    if doc.get("skipped"):
+        extra.append("Skipped (time budget): " + "; ".join(
+            f"{s['shape']} L={s['layers']} r={s['rank']} {s['setup']} {s['variant']}" for s in doc["skipped"]))
+    if doc.get("errors"):
+        extra.append("Errors: " + "; ".join(
+            f"{e['shape']} L={e['layers']} r={e['rank']} {e['setup']} {e['variant']}: "
+            f"{(e['error'].strip().splitlines() or [''])[-1][:200]}" for e in doc["errors"]))
+    vers = next((r.get("versions") for r in doc["results"]), {})
+    gpu = next((r.get("gpu") for r in doc["results"] if r.get("gpu")), "cpu")
+    head = f"Device: {gpu}; versions: {vers}; run {doc.get('meta', {}).get('date')}, " \
+           f"total {doc.get('meta', {}).get('total_s', 0):.0f} s\n"
+    md = head + "\n" + t + "\n\n### Targets\n\n" + tc + "\n" + ("\n" + "\n\n".join(extra) + "\n" if extra else "")
+    with open(os.path.join(outdir, "model_bench.md"), "w") as f:
+        f.write(md)
+    plot(doc, os.path.join(outdir, "model_bench.png"))
+    print("\n" + md)
+    n_pass = sum(r[4] == "PASS" for r in rows)
+    n_miss = sum(r[4] == "MISS" for r in rows)
+    print(f"TARGETS: {n_pass} PASS, {n_miss} MISS, {sum(r[4] == 'NOT RUN' for r in rows)} NOT RUN")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--wait-go", action="store_true")
+    p.add_argument("--report", help="regenerate tables/plot from a model_bench.json")
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--plan", default="h200", choices=["h200", "targets", "full", "r16", "tiny", "final"])
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test): --plan tiny, short seq")
+    p.add_argument("--budget-s", type=float, default=270.0, help="parent: stop launching configs after this")
+    p.add_argument("--layers", type=int, default=8, help="decoder layers for Qwen3-8B shapes")
+    p.add_argument("--layers-mistral", type=int, default=3, help="decoder layers for Mistral-Small-24B shapes")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--shape", default="qwen3-8b", choices=list(SHAPES))
+    p.add_argument("--rank", type=int, default=384)
+    p.add_argument("--setup", default="amp", choices=["amp", "bf16"])
+    p.add_argument("--variant", default="fastdora", choices=VARIANTS)
+    p.add_argument("--result")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--ga", type=int, default=8)
+    p.add_argument("--loss-tokens", type=int, default=1024)
+    p.add_argument("--warmup", type=int, default=2,
+                   help="warm-up iterations (2: the norm-recompute kernels with a cached base compile at the 2nd step)")
+    p.add_argument("--warmup-ga", type=int, default=2, help="micro-batches per warm-up iteration")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--inf-warmup", type=int, default=2)
+    p.add_argument("--inf-repeats", type=int, default=7)
+    p.add_argument("--profile-out")
+    p.add_argument("--profile-ga", type=int, default=2)
+    a = p.parse_args()
+    if a.tiny:
+        a.plan = "tiny"
+        a.seq, a.loss_tokens, a.ga = min(a.seq, 128), min(a.loss_tokens, 32), min(a.ga, 2)
+        a.layers = 2
+        a.repeats, a.inf_repeats = min(a.repeats, 2), min(a.inf_repeats, 2)
+    if a.report:
+        report(a.report)
+        return
+    if a.worker:
+        try:
+            run_worker(a)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            sys.exit(2)
+        return
+    run_parent(a)
+
+
+if __name__ == "__main__":
+    main()
