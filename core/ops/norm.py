@@ -18,7 +18,7 @@ import torch
 
 from .. import dispatch
 
-__all__ = ["factored_norm", "factored_norm_eager", "base_row_sq_eager", "combine_norm"]
+__all__ = ["factored_norm", "factored_norm_eager", "combine_norm"]
 
 
 def _acc(*ts: torch.Tensor) -> torch.dtype:
@@ -28,17 +28,6 @@ def _acc(*ts: torch.Tensor) -> torch.dtype:
 def _chunk_cols(d_out: int, d_in: int, budget_bytes: int) -> int:
     # one fp32 chunk of W (d_out x c) within the budget; at least 1, at most d_in
     return max(1, min(d_in, budget_bytes // max(1, 4 * d_out)))
-
-
-def base_row_sq_eager(weight: torch.Tensor, budget_bytes: int) -> torch.Tensor:
-    """``||W||^2`` per row, accumulated in fp32/fp64 over column chunks."""
-    acc = _acc(weight)
-    d_out, d_in = weight.shape
-    out = torch.zeros(d_out, dtype=acc, device=weight.device)
-    step = _chunk_cols(d_out, d_in, budget_bytes)
-    for c0 in range(0, d_in, step):
-        out += torch.linalg.vector_norm(weight[:, c0 : c0 + step].to(acc), dim=1).square()
-    return out
 
 
 def combine_norm(base_sq: torch.Tensor, U: torch.Tensor, G: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor:
