@@ -481,7 +481,9 @@ def _conv_variant(peft_name: str):
         @staticmethod
         def forward(module, active_adapter, x, result, **kwargs):
             mag = module.lora_magnitude_vector[active_adapter]
-            if not isinstance(_distributed.unwrap(mag), _FastDoraMixin):
+            # an FSDP1 unit around a conv magnitude module is not unwrapped: the conv norm reads lora_A/lora_B weights
+            # outside their own units, so PEFT's path (which calls them) runs there
+            if not isinstance(mag, _FastDoraMixin):
                 return peft_cls.forward(module, active_adapter, x, result, **kwargs)
             return FastDoraLinearVariant.forward(module, active_adapter, x, result, **kwargs)
 
