@@ -28,6 +28,8 @@ make_venv() {  # make_venv DIR PEFT_VERSION TRANSFORMERS_SPEC EXTRA...
     "$dir/bin/pip" install -q "torch==2.13.0"
     "$dir/bin/pip" install -q "peft==$peft" "$tf" accelerate pytest pytest-xdist parameterized datasets \
       diffusers scipy scikit-learn protobuf sentencepiece safetensors attrs "$@"
+    # DeepSpeed (ZeRO-2/3 cases of tests/test_distributed.py run on CPU): an sdist whose build imports torch
+    "$dir/bin/pip" install -q --no-build-isolation "deepspeed==0.19.8" hjson ninja py-cpuinfo pydantic msgpack
     "$dir/bin/pip" install -q --no-deps -e "$ROOT"
     touch "$dir/.ok"
   fi
