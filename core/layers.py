@@ -158,6 +158,40 @@ class _FastDoraMixin:
         cache[adapter_name] = (key, norm)
         return norm
 
+    def _fd_output(
+        self, lora, norm, eps, scaling, base_layer, base_result, base_delta, fastdora_result, out_dtype, feature_dim
+    ):
+        """Linear / conv output. Fused mode (``fastdora_result`` given): the final layer output in one expression.
+        PEFT-style call: PEFT's delta ``(g - 1) * base_nobias + g * s * lora``."""
+        if fastdora_result is not None:
+            bias = getattr(base_layer, "bias", None) if base_delta is None else None
+            return dora_compose(
+                fastdora_result,
+                lora,
+                self.weight,
+                norm,
+                scaling,
+                eps,
+                bias=bias,
+                base_delta=base_delta,
+                out_dtype=out_dtype,
+                feature_dim=feature_dim,
+                kernels=self._fd_options().kernels,
+                kind=self._fastdora_kind,
+            )
+        record(f"{self._fastdora_kind}:peft_style")
+        if base_delta is None:
+            bias = getattr(base_layer, "bias", None)
+            if bias is not None:
+                bias = bias.view(-1) if feature_dim == -1 else bias.view(1, -1, *([1] * (base_result.dim() - 2)))
+            base_delta = base_result - bias if bias is not None else base_result
+        vs = [1] * lora.dim()
+        vs[feature_dim] = -1
+        acc = acc_dtype_for(lora, base_delta, self.weight)
+        g = _peft_style_g(self.weight, norm, eps, acc).view(vs)
+        out = (g - 1) * base_delta.to(acc) + g * lora.to(acc) * scaling
+        return out.to(torch.promote_types(lora.dtype, base_delta.dtype))
+
 
 def _peft_style_g(magnitude: torch.Tensor, norm: torch.Tensor, eps: float, acc: torch.dtype) -> torch.Tensor:
     # g with autograd to the magnitude (used when PEFT-style callers invoke the magnitude module directly)
@@ -201,30 +235,9 @@ class FastDoraLinearLayer(_FastDoraMixin, PEFT_CLASSES["DoraLinearLayer"]):
             if base_delta is None:
                 weight = dequantize_module_weight(base_layer).to(x.dtype)
                 base_delta = F.linear(x, transpose(weight, self.fan_in_fan_out))
-        if fastdora_result is not None:
-            bias = getattr(base_layer, "bias", None) if base_delta is None else None
-            return dora_compose(
-                fastdora_result,
-                lora,
-                self.weight,
-                norm,
-                scaling,
-                eps,
-                bias=bias,
-                base_delta=base_delta,
-                out_dtype=fastdora_out_dtype,
-                kernels=self._fd_options().kernels,
-                kind=self._fastdora_kind,
-            )
-        # PEFT-style call: return PEFT's delta, (g - 1) * base_nobias + g * s * lora
-        record(f"{self._fastdora_kind}:peft_style")
-        if base_delta is None:
-            bias = getattr(base_layer, "bias", None)
-            base_delta = base_result - bias if bias is not None else base_result
-        acc = acc_dtype_for(lora, base_delta, self.weight)
-        g = _peft_style_g(self.weight, norm, eps, acc).view(1, -1)
-        out = (g - 1) * base_delta.to(acc) + g * lora.to(acc) * scaling
-        return out.to(torch.promote_types(lora.dtype, base_delta.dtype))
+        return self._fd_output(
+            lora, norm, eps, scaling, base_layer, base_result, base_delta, fastdora_result, fastdora_out_dtype, -1
+        )
 
 
 class FastDoraEmbeddingLayer(_FastDoraMixin, PEFT_CLASSES["DoraEmbeddingLayer"]):
@@ -328,32 +341,9 @@ class _FastDoraConvNdMixin(_FastDoraMixin):
                 dilation=base_layer.dilation,
                 groups=base_layer.groups,
             )
-        if fastdora_result is not None:
-            bias = getattr(base_layer, "bias", None) if base_delta is None else None
-            return dora_compose(
-                fastdora_result,
-                lora,
-                self.weight,
-                norm,
-                scaling,
-                eps,
-                bias=bias,
-                base_delta=base_delta,
-                out_dtype=fastdora_out_dtype,
-                feature_dim=1,
-                kernels=self._fd_options().kernels,
-                kind=self._fastdora_kind,
-            )
-        record(f"{self._fastdora_kind}:peft_style")
-        if base_delta is None:
-            bias = base_layer.bias
-            if bias is not None:
-                base_result = base_result - bias.view(1, -1, *([1] * (base_result.dim() - 2)))
-            base_delta = base_result
-        acc = acc_dtype_for(lora, base_delta, self.weight)
-        g = _peft_style_g(self.weight, norm, eps, acc).view(1, -1, *([1] * (lora.dim() - 2)))
-        out = (g - 1) * base_delta.to(acc) + g * lora.to(acc) * scaling
-        return out.to(torch.promote_types(lora.dtype, base_delta.dtype))
+        return self._fd_output(
+            lora, norm, eps, scaling, base_layer, base_result, base_delta, fastdora_result, fastdora_out_dtype, 1
+        )
 
 
 class FastDoraConv1dLayer(_FastDoraConvNdMixin, PEFT_CLASSES["DoraConv1dLayer"]):
