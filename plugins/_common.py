@@ -101,30 +101,42 @@ def enable_on(model: Any, options: dict, logger: Optional[logging.Logger] = None
     import fastdora
 
     report = fastdora.enable(inner, **options)
+    if getattr(report, "disabled_reason", None):
+        log.warning("%s: %s", who, report)
     return report
 
 
 def _counter_dict() -> dict:
     try:
-        from fastdora.layers import active_path_counter
+        import fastdora
 
-        return {str(k): int(v) for k, v in sorted(active_path_counter.items())}
+        counter = getattr(fastdora, "active_path_counter", None)
+        if counter is None:
+            from fastdora.layers import active_path_counter as counter
+        return {str(k): int(v) for k, v in sorted(counter.items())}
     except Exception:
         return {}
 
 
-def report_payload(report: Any, options: dict, framework: str) -> dict:
-    """A JSON-able summary: the enable report, the options and ``fastdora.layers.active_path_counter``."""
-    payload: dict = {"framework": framework, "options": dict(options)}
+def report_payload(report: Any, options: dict, framework: str, latest: Any = None) -> dict:
+    """A JSON-able summary: the enable report that converted the model (its ``as_dict()``), the plugin's options,
+    the number of DoRA (layer, adapter) pairs on fastdora after the latest ``enable()`` and
+    ``fastdora.active_path_counter`` (which fastdora paths ran in THIS process, and how often)."""
+    payload: dict = {"framework": framework, "plugin_options": dict(options)}
+    latest = latest if latest is not None else report
     if report is None:
-        payload.update(enabled=False, converted={}, skipped=[], total_converted=0)
+        payload.update(enabled=False, fastdora_layers=0)
     else:
+        as_dict = getattr(report, "as_dict", None)
+        payload["enable_report"] = as_dict() if as_dict is not None else {}
+        payload["report"] = str(report)
+        total = int(getattr(latest, "total_converted", 0) or 0)
+        already = int(getattr(latest, "already", 0) or 0)
         payload.update(
-            enabled=True,
+            enabled=not getattr(latest, "disabled_reason", None),
             converted={str(k): int(v) for k, v in dict(getattr(report, "converted", {}) or {}).items()},
-            skipped=[[str(n), str(r)] for n, r in list(getattr(report, "skipped", []) or [])],
-            total_converted=int(getattr(report, "total_converted", 0) or 0),
-            report=str(report),
+            skipped=[list(map(str, s)) for s in (getattr(latest, "skipped", None) or [])],
+            fastdora_layers=total + already,  # (layer, adapter) pairs running fastdora after the last enable()
         )
     payload["active_path_counter"] = _counter_dict()
     payload["active_path_total"] = sum(payload["active_path_counter"].values())

@@ -29,7 +29,7 @@ def _build_class():
     from transformers import TrainerCallback
     from transformers.utils import logging as hf_logging
 
-    logger = hf_logging.get_logger("fastdora")
+    logger = hf_logging.get_logger("transformers.fastdora")  # under transformers' handler and verbosity
 
     class FastDoraCallback(TrainerCallback):
         """Switch a trainer's PEFT DoRA model to fastdora (see the module docstring)."""
@@ -55,6 +55,7 @@ def _build_class():
             self.report_file = report_file
             self.framework = framework
             self.report = None
+            self.latest = None
             self._logged = False
             self._warned_no_dora = False
 
@@ -79,7 +80,8 @@ def _build_class():
             if report is None:
                 return
             if self.report is None or getattr(report, "total_converted", 0):
-                self.report = report
+                self.report = report  # the one that converted the model: the headline of the log / JSON
+            self.latest = report  # describes the model as it is now
             if not self._logged:
                 self._logged = True
                 logger.info("fastdora enabled (%s): %s", when, report)
@@ -95,7 +97,7 @@ def _build_class():
 
         def on_train_end(self, args, state, control, model=None, **kwargs):
             if self.write_report and is_main_process(args):
-                payload = report_payload(self.report, self.options, self.framework)
+                payload = report_payload(self.report, self.options, self.framework, self.latest)
                 path = write_report(getattr(args, "output_dir", None), payload, self.report_file)
                 logger.info(
                     "fastdora: path counter at train end %s (report: %s)", payload["active_path_counter"], path
@@ -103,6 +105,7 @@ def _build_class():
             return control
 
     FastDoraCallback.__module__ = __name__
+    FastDoraCallback.__qualname__ = "FastDoraCallback"
     return FastDoraCallback
 
 

@@ -1,0 +1,160 @@
+"""Helpers shared by the end-to-end tests (run inside each framework's virtual environment)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+EXAMPLES = os.path.join(REPO, "examples")
+if EXAMPLES not in sys.path:
+    sys.path.insert(0, EXAMPLES)
+
+from _tiny import PROBE_TEXT, build_all  # noqa: E402
+
+#: |loss(fastdora) - loss(stock PEFT)| per logged step; both runs are fp32 on CPU with the same seed, and fastdora's
+#: eager path is exact math with a different operation order (measured differences are ~1e-7..1e-6).
+LOSS_ATOL = 1e-4
+#: logits of the trained model (in the training process, with fastdora) vs the saved adapter loaded in stock PEFT
+LOGITS_ATOL = 1e-4
+
+REPORT_FILE = "fastdora_report.json"
+PROBE_FILE = "probe_logits.pt"
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def run(cmd, env=None, cwd=None, log_path=None, timeout=900) -> float:
+    """Run a command; on failure print the tail of its output and raise. Returns the wall time."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    t0 = time.time()
+    log("$ " + " ".join(cmd) + (f"   (env {env})" if env else ""))
+    proc = subprocess.run(cmd, env=full_env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout)
+    dt = time.time() - t0
+    if log_path:
+        with open(log_path, "w", encoding="utf-8") as f:
+            f.write(proc.stdout)
+    if proc.returncode != 0:
+        print(proc.stdout[-12000:])
+        raise SystemExit(f"command failed (rc={proc.returncode}) after {dt:.1f}s: {' '.join(cmd)}")
+    log(f"  ok in {dt:.1f}s" + (f" (log: {log_path})" if log_path else ""))
+    return dt
+
+
+def tiny(work: str) -> dict:
+    return build_all(os.path.join(work, "tiny"))
+
+
+def losses_from_state(path: str) -> list:
+    with open(path, encoding="utf-8") as f:
+        state = json.load(f)
+    return [(h["step"], h["loss"]) for h in state["log_history"] if "loss" in h]
+
+
+def find_trainer_state(output_dir: str) -> str:
+    cands = []
+    for root, _dirs, files in os.walk(output_dir):
+        if "trainer_state.json" in files:
+            cands.append(os.path.join(root, "trainer_state.json"))
+    if not cands:
+        raise AssertionError(f"no trainer_state.json under {output_dir}")
+
+    def step_of(p):
+        with open(p, encoding="utf-8") as f:
+            return json.load(f).get("global_step", 0)
+
+    return max(cands, key=step_of)
+
+
+def check_losses(fast: list, stock: list, what: str, atol: float = LOSS_ATOL, must_decrease: bool = True) -> float:
+    assert len(fast) == len(stock) and len(fast) >= 3, f"{what}: loss logs differ in length: {fast} vs {stock}"
+    assert [s for s, _ in fast] == [s for s, _ in stock], f"{what}: logged steps differ"
+    diff = max(abs(a - b) for (_, a), (_, b) in zip(fast, stock))
+    log(f"{what}: {len(fast)} losses, first {fast[0][1]:.5f} last {fast[-1][1]:.5f}; "
+        f"max |loss(fastdora) - loss(stock)| = {diff:.2e} (tolerance {atol:g})")
+    assert diff <= atol, f"{what}: loss curves differ by {diff} > {atol}"
+    if must_decrease:
+        assert fast[-1][1] < fast[0][1], f"{what}: loss did not go down: {fast}"
+    return diff
+
+
+def check_report(output_dir: str, what: str, expect_keys=("linear:",)) -> dict:
+    path = os.path.join(output_dir, REPORT_FILE)
+    assert os.path.exists(path), f"{what}: {path} missing: the plugin did not write its report"
+    with open(path, encoding="utf-8") as f:
+        rep = json.load(f)
+    counter = rep.get("active_path_counter", {})
+    assert rep.get("enabled") and rep.get("fastdora_layers", 0) > 0, f"{what}: no layer runs fastdora: {rep}"
+    assert sum(counter.values()) > 0, f"{what}: fastdora's path never ran in the training process: {rep}"
+    for prefix in expect_keys:
+        assert any(k.startswith(prefix) for k in counter), f"{what}: no {prefix}* path in {counter}"
+    log(f"{what}: {rep.get('report')}; path counter in the training process {counter} (pid {rep.get('pid')})")
+    return rep
+
+
+def check_no_report(output_dir: str, what: str) -> None:
+    path = os.path.join(output_dir, REPORT_FILE)
+    assert not os.path.exists(path), f"{what}: {path} exists although fastdora was not switched on"
+    log(f"{what}: no {REPORT_FILE} (fastdora not used)")
+
+
+def stock_logits(python: str, base: str, adapter: str, out: str, env=None) -> None:
+    """Load the adapter with stock PEFT in a fresh process (fastdora must not get imported) and save logits."""
+    run([python, os.path.join(HERE, "peft_load_check.py"), base, adapter, out], env=env)
+
+
+def compare_logits(trained: str, stock: str, what: str, atol: float = LOGITS_ATOL) -> float:
+    import torch
+
+    a = torch.load(trained)
+    b = torch.load(stock)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    diff = (a.float() - b.float()).abs().max().item()
+    log(f"{what}: max |logits(trained model) - logits(adapter loaded in stock PEFT)| = {diff:.2e} "
+        f"(tolerance {atol:g}, logits scale {b.abs().max().item():.2f})")
+    assert diff <= atol, f"{what}: logits differ by {diff}"
+    return diff
+
+
+def make_init_adapter(model_dir: str, out_dir: str, targets: list, seed: int = 0) -> str:
+    """A seeded DoRA adapter (r=8, alpha=16) with non-zero lora_B, saved with PEFT: lets two runs of a framework
+    that does not seed its adapter initialisation (Axolotl) start from identical weights, and exercises the full
+    DoRA composition from the first step."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    if os.path.exists(os.path.join(out_dir, "adapter_config.json")):
+        return out_dir
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=targets,
+                                             use_dora=True, task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.02)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def write_summary(work: str, name: str, summary: dict) -> None:
+    path = os.path.join(work, f"summary_{name}.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=2)
+    log(f"summary -> {path}: {json.dumps(summary)}")
+
+
+__all__ = [
+    "HERE", "REPO", "PROBE_TEXT", "LOSS_ATOL", "LOGITS_ATOL", "REPORT_FILE", "PROBE_FILE", "log", "run", "tiny",
+    "losses_from_state", "find_trainer_state", "check_losses", "check_report", "check_no_report", "stock_logits",
+    "compare_logits", "write_summary", "make_init_adapter",
+]

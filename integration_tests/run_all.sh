@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# End-to-end tests of the trainer plugins, one virtual environment per framework (their pins conflict).
+#
+#   integration_tests/run_all.sh                 # all: hf (HF Trainer + TRL SFT/DPO), axolotl, llamafactory
+#   FASTDORA_IT_ONLY="hf llamafactory" integration_tests/run_all.sh
+#
+# Environment:
+#   FASTDORA_IT_VENVS   where the venvs are created and cached (default: <repo>/.work/venvs; git-ignored). A venv is
+#                       reused while its requirements file is unchanged (stamp file); delete it to rebuild.
+#   FASTDORA_IT_WORK    scratch directory for models, runs and logs (default: <repo>/.work/it; wiped per test)
+#   FASTDORA_IT_ONLY    subset of: hf axolotl llamafactory (default: all three)
+#   FASTDORA_IT_PLUGIN_OPTIONS  JSON dict of fastdora options given to every plugin (default {}: core defaults)
+#   FASTDORA_IT_PYTHON  Python 3.11 interpreter (default: python3.11, else python3); torch==2.13.0 is the local wheel
+#   FASTDORA_IT_SKIP_TORCHRUN=1  skip LLaMA-Factory's 2-process torchrun run
+#
+# Prints the wall time of every venv build and every test, and exits non-zero on the first failure.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENVS="${FASTDORA_IT_VENVS:-$REPO/.work/venvs}"
+WORK="${FASTDORA_IT_WORK:-$REPO/.work/it}"
+ONLY="${FASTDORA_IT_ONLY:-hf axolotl llamafactory}"
+OPTIONS="${FASTDORA_IT_PLUGIN_OPTIONS:-}"
+[[ -n "$OPTIONS" ]] || OPTIONS='{}'
+PY="${FASTDORA_IT_PYTHON:-$(command -v python3.11 || command -v python3)}"
+REQ="$REPO/integration_tests/requirements"
+mkdir -p "$VENVS" "$WORK"
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 \
+       TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled AXOLOTL_DO_NOT_TRACK=1 DISABLE_VERSION_CHECK=1
+
+ts() { date -u +%H:%M:%S; }
+declare -A TIMES
+
+pip_q() {  # quiet pip; the log keeps everything, the tail is shown on failure
+  local venv="$1"; shift
+  if ! "$venv/bin/pip" install --quiet "$@" >>"$venv.install.log" 2>&1; then
+    grep -v "^WARNING: Location" "$venv.install.log" | tail -40; return 1
+  fi
+}
+
+build_venv() {  # build_venv NAME: creates $VENVS/NAME unless its stamp matches the requirements file
+  local name="$1" venv="$VENVS/$1" stamp
+  stamp="$(cat "$REQ/$name.txt" "$0" | sha256sum | cut -c1-16)"
+  if [[ -f "$venv/.fastdora-stamp" && "$(cat "$venv/.fastdora-stamp")" == "$stamp" ]]; then
+    echo "[$(ts)] venv $name: cached ($venv)"; return 0
+  fi
+  rm -rf "$venv" "$venv.install.log"
+  "$PY" -m venv "$venv"
+  case "$name" in
+    axolotl)
+      pip_q "$venv" --no-deps axolotl==0.19.0
+      pip_q "$venv" -r "$REQ/axolotl.txt" ;;
+    llamafactory)
+      pip_q "$venv" -r "$REQ/llamafactory.txt"
+      "$venv/bin/pip" uninstall --quiet -y torchvision >>"$venv.install.log" 2>&1 || true
+      local sp; sp="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+      for so in "$sp"/torchaudio/lib/*.so; do [[ -e "$so" ]] && mv "$so" "$so.disabled"; done ;;
+    *)
+      pip_q "$venv" -r "$REQ/$name.txt" ;;
+  esac
+  echo "$stamp" > "$venv/.fastdora-stamp"
+}
+
+install_fastdora() {  # editable and without dependencies: the venv's pins stay as they are
+  local venv="$VENVS/$1"
+  pip_q "$venv" --no-deps -e "$REPO"
+  if [[ "$1" == llamafactory ]]; then
+    "$venv/bin/python" -m fastdora.plugins.llamafactory install
+  fi
+}
+
+# 1. venvs, built in parallel (network and disk bound)
+t0=$(date +%s)
+pids=()
+for name in $ONLY; do
+  [[ "$name" == hf || "$name" == axolotl || "$name" == llamafactory ]] || { echo "unknown framework $name"; exit 2; }
+  ( s=$(date +%s); build_venv "$name"; install_fastdora "$name"
+    echo "[$(ts)] venv $name ready in $(( $(date +%s) - s ))s" ) &
+  pids+=($!)
+done
+for pid in "${pids[@]}"; do wait "$pid"; done
+TIMES[venvs]=$(( $(date +%s) - t0 ))
+echo "[$(ts)] all venvs ready in ${TIMES[venvs]}s"
+
+# 2. tests, one after another (2 cores)
+declare -A TEST=( [hf]=test_hf_trl.py [axolotl]=test_axolotl.py [llamafactory]=test_llamafactory.py )
+for name in $ONLY; do
+  s=$(date +%s)
+  rm -rf "$WORK/$name"
+  extra=()
+  [[ "$name" == llamafactory && "${FASTDORA_IT_SKIP_TORCHRUN:-0}" == 1 ]] && extra+=(--skip-torchrun)
+  echo "[$(ts)] ===== $name ====="
+  "$VENVS/$name/bin/python" "$REPO/integration_tests/${TEST[$name]}" "$WORK/$name" \
+      --plugin-options "$OPTIONS" "${extra[@]}"
+  TIMES[$name]=$(( $(date +%s) - s ))
+  echo "[$(ts)] $name passed in ${TIMES[$name]}s"
+done
+
+echo "[$(ts)] integration tests passed; wall times (s):"
+for k in "${!TIMES[@]}"; do echo "  $k: ${TIMES[$k]}"; done
+echo "  total: $(( $(date +%s) - t0 ))"

@@ -1,0 +1,146 @@
+"""End-to-end: ``axolotl train cfg.yaml`` (Axolotl 0.19, its default accelerate launcher: training runs in a child
+process) with ``plugins: [fastdora.plugins.axolotl.FastDoraPlugin]``. Run inside the axolotl venv.
+
+usage: python test_axolotl.py WORK_DIR [--plugin-options JSON]
+
+Two runs, same seed, DoRA on all linear layers, gradient checkpointing, fp32 on CPU:
+- fastdora: the plugin listed, Axolotl's ``lora_*_kernel`` keys left unset (Axolotl auto-enables its fused LoRA
+  kernels for LoRA adapters; the plugin must switch them off for DoRA and say so in the log);
+- stock: no fastdora plugin, ``lora_*_kernel: false`` (stock PEFT DoRA is the reference).
+Asserts: fastdora_report.json with counter > 0 (written in the training process), the plugin's log line about the
+kernels, losses equal within LOSS_ATOL, the saved adapter in stock PEFT (fresh process) gives the trained model's
+logits, and without the plugin fastdora is never imported in the training process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import (  # noqa: E402
+    HERE, PROBE_FILE, check_losses, check_no_report, check_report, compare_logits, find_trainer_state, log,
+    losses_from_state, make_init_adapter, run, stock_logits, tiny, write_summary,
+)
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+KERNEL_KEYS = ("lora_qkv_kernel", "lora_o_kernel", "lora_mlp_kernel", "lora_embedding_kernel")
+OPTION_KEYS = {"kernels": "fast_dora_kernels", "legacy_embedding_compose": "fast_dora_legacy_embedding_compose",
+               "cache_norm": "fast_dora_cache_norm", "norm_budget_mb": "fast_dora_norm_budget_mb"}
+
+
+def config(paths: dict, out: str, prepared: str, fastdora: bool, options: dict) -> str:
+    lines = [
+        f"base_model: {paths['model']}",
+        "tokenizer_type: AutoTokenizer",
+        "datasets:",
+        f"  - path: {paths['text']}",
+        "    ds_type: json",
+        "    type: completion",
+        f"dataset_prepared_path: {prepared}",
+        "val_set_size: 0",
+        f"output_dir: {out}",
+        "sequence_len: 64",
+        "sample_packing: false",
+        "adapter: lora",
+        "lora_r: 8",
+        "lora_alpha: 16",
+        "lora_dropout: 0.0",
+        "lora_target_modules: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]",
+        # Axolotl does not seed the adapter's initialisation: both runs start from the same saved DoRA adapter
+        f"lora_model_dir: {paths['init_adapter']}",
+        "peft_use_dora: true",
+        "micro_batch_size: 4",
+        "gradient_accumulation_steps: 1",
+        "max_steps: 8",
+        "num_epochs: 1",
+        "optimizer: adamw_torch",
+        "lr_scheduler: constant",
+        "learning_rate: 0.002",
+        "warmup_steps: 0",
+        "bf16: false",
+        "fp16: false",
+        "tf32: false",
+        "gradient_checkpointing: true",
+        "logging_steps: 1",
+        "save_strategy: steps",
+        "save_steps: 8",
+        "seed: 0",
+        "dataloader_num_workers: 0",
+        "plugins:",
+    ]
+    if fastdora:
+        lines.append("  - fastdora.plugins.axolotl.FastDoraPlugin")
+    lines.append("  - axolotl_probe.ProbePlugin")
+    if fastdora:
+        lines += [f"{OPTION_KEYS[k]}: {json.dumps(v)}" for k, v in options.items()]
+    else:
+        lines += [f"{k}: false" for k in KERNEL_KEYS]
+    path = out + ".yaml"
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("work")
+    p.add_argument("--plugin-options", default="{}")
+    a = p.parse_args()
+    os.makedirs(a.work, exist_ok=True)
+    paths = tiny(a.work)
+    paths["init_adapter"] = make_init_adapter(paths["model"], os.path.join(a.work, "init_adapter"), TARGETS)
+    options = json.loads(a.plugin_options)
+    bindir = os.path.dirname(sys.executable)
+    env = {
+        "AXOLOTL_DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "WANDB_MODE": "disabled",
+        "PATH": bindir + os.pathsep + os.environ.get("PATH", ""),
+        "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "CUDA_VISIBLE_DEVICES": "",
+    }
+    outs, times = {}, {}
+    for mode in ("fastdora", "stock"):
+        out = os.path.join(a.work, f"axolotl_{mode}")
+        shutil.rmtree(out, ignore_errors=True)
+        cfg = config(paths, out, os.path.join(a.work, f"prepared_{mode}"), mode == "fastdora", options)
+        logp = os.path.join(a.work, f"axolotl_{mode}.log")
+        times[mode] = run([os.path.join(bindir, "axolotl"), "train", cfg], env=env, log_path=logp, timeout=1200)
+        outs[mode] = (out, logp)
+
+    what = "Axolotl"
+    out, logp = outs["fastdora"]
+    rep = check_report(out, what)
+    text = open(logp, encoding="utf-8", errors="replace").read()
+    assert "fastdora (register): DoRA config: set" in text, "the plugin did not log switching the LoRA kernels off"
+    assert "LoRA kernels: DoRA enabled" not in text, "Axolotl's fused LoRA kernels were applied to the DoRA model"
+    line = next(ln for ln in text.splitlines() if "fastdora (register)" in ln)
+    log(f"{what}: plugin log: {line.strip()[-200:]}")
+    with open(os.path.join(out, "probe_meta.json")) as f:
+        meta_fast = json.load(f)
+    assert meta_fast["converted_layers"] > 0, meta_fast
+    sout, _ = outs["stock"]
+    check_no_report(sout, what + " (no plugin)")
+    with open(os.path.join(sout, "probe_meta.json")) as f:
+        meta_stock = json.load(f)
+    assert not meta_stock["fastdora_imported"] and meta_stock["converted_layers"] == 0, meta_stock
+    log(f"{what}: without the plugin (training process): {meta_stock}")
+    fl = losses_from_state(find_trainer_state(out))
+    sl = losses_from_state(find_trainer_state(sout))
+    loss_diff = check_losses(fl, sl, what)
+    stock_out = os.path.join(out, "stock_peft_logits.pt")
+    stock_logits(sys.executable, paths["model"], out, stock_out, env={"HF_HUB_OFFLINE": "1"})
+    logit_diff = compare_logits(os.path.join(out, PROBE_FILE), stock_out, what)
+    write_summary(a.work, "axolotl", {"loss_max_abs_diff": loss_diff, "logits_max_abs_diff": logit_diff,
+                                      "path_counter": rep["active_path_counter"], "fastdora_layers": rep["fastdora_layers"],
+                                      "seconds": {k: round(v, 1) for k, v in times.items()}})
+    log("PASS: Axolotl")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""End-to-end: ``llamafactory-cli train cfg.yaml`` (LLaMA-Factory 0.9.5) with ``use_fast_dora: true``, single process
+and under torchrun (``FORCE_TORCHRUN=1 NPROC_PER_NODE=2``: two CPU workers, gloo). Run inside the llamafactory venv
+after ``python -m fastdora.plugins.llamafactory install``.
+
+usage: python test_llamafactory.py WORK_DIR [--plugin-options JSON] [--skip-torchrun]
+
+Runs (same seed, SFT, DoRA on all linear layers, LLaMA-Factory's gradient checkpointing, fp32 on CPU):
+  single/fastdora, single/stock (no key), torchrun/fastdora, torchrun/stock, plus two runs that must fail fast:
+  a misspelled key and a bad value.
+Asserts: fastdora_report.json (written in the training process; under torchrun by rank 0, whose pid differs
+from the launcher's) with counter > 0; losses equal within LOSS_ATOL; the saved adapter in stock PEFT (fresh
+process) gives the trained model's logits; without the key no layer is converted and the counter stays 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import (  # noqa: E402
+    HERE, PROBE_FILE, check_losses, check_no_report, check_report, compare_logits, find_trainer_state, log,
+    losses_from_state, run, stock_logits, tiny, write_summary,
+)
+
+OPTION_KEYS = {"kernels": "fast_dora_kernels", "legacy_embedding_compose": "fast_dora_legacy_embedding_compose",
+               "cache_norm": "fast_dora_cache_norm", "norm_budget_mb": "fast_dora_norm_budget_mb"}
+
+
+def config(paths: dict, out: str, extra: list) -> str:
+    with open(os.path.join(paths["data_dir"], "dataset_info.json"), "w", encoding="utf-8") as f:
+        json.dump({"tiny_alpaca": {"file_name": "alpaca.jsonl"}}, f)
+    lines = [
+        f"model_name_or_path: {paths['model']}",
+        "stage: sft",
+        "do_train: true",
+        "finetuning_type: lora",
+        "lora_rank: 8",
+        "lora_alpha: 16",
+        "lora_dropout: 0.0",
+        "lora_target: all",
+        "use_dora: true",
+        "dataset: tiny_alpaca",
+        f"dataset_dir: {paths['data_dir']}",
+        "template: default",
+        "cutoff_len: 64",
+        "overwrite_cache: true",
+        f"output_dir: {out}",
+        "overwrite_output_dir: true",
+        "logging_steps: 1",
+        "save_strategy: 'no'",
+        "plot_loss: false",
+        "per_device_train_batch_size: 2",
+        "gradient_accumulation_steps: 1",
+        "learning_rate: 2.0e-3",
+        "max_steps: 8",
+        "lr_scheduler_type: constant",
+        "warmup_steps: 0",
+        "bf16: false",
+        "report_to: none",
+        "seed: 0",
+        "dataloader_num_workers: 0",
+        "ddp_timeout: 600",
+    ] + extra
+    path = out + ".yaml"
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("work")
+    p.add_argument("--plugin-options", default="{}")
+    p.add_argument("--skip-torchrun", action="store_true")
+    a = p.parse_args()
+    os.makedirs(a.work, exist_ok=True)
+    paths = tiny(a.work)
+    options = json.loads(a.plugin_options)
+    fd_keys = ["use_fast_dora: true"] + [f"{OPTION_KEYS[k]}: {json.dumps(v)}" for k, v in options.items()]
+    bindir = os.path.dirname(sys.executable)
+    cli = os.path.join(bindir, "llamafactory-cli")
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "DISABLE_VERSION_CHECK": "1",
+        "WANDB_MODE": "disabled",
+        "CUDA_VISIBLE_DEVICES": "",
+        "PATH": bindir + os.pathsep + os.environ.get("PATH", ""),
+        "PYTHONPATH": os.path.join(HERE, "lf_probe") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "FASTDORA_PROBE_TOKENIZER": paths["model"],
+        "OMP_NUM_THREADS": "1",
+    }
+    summary, times = {}, {}
+
+    # 1. wrong key / wrong value fail fast with LLaMA-Factory's own errors
+    for name, extra, needle in [
+        ("misspelled_key", ["use_fastdora: true"], "are not used by the HfArgumentParser"),
+        ("bad_value", ["use_fast_dora: maybe"], "use_fast_dora must be true or false"),
+    ]:
+        out = os.path.join(a.work, f"lf_{name}")
+        cfg = config(paths, out, extra)
+        proc = subprocess.run([cli, "train", cfg], env={**os.environ, **env}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=600)
+        assert proc.returncode != 0 and needle in proc.stdout, f"{name}: expected failure with {needle!r}:\n" + \
+            proc.stdout[-3000:]
+        line = next(ln for ln in proc.stdout.splitlines() if needle in ln)
+        log(f"LLaMA-Factory {name}: fails as expected: {line.strip()[:200]}")
+
+    modes = [("single", {}), ("torchrun", {"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": "2"})]
+    if a.skip_torchrun:
+        modes = modes[:1]
+    for mode, menv in modes:
+        outs = {}
+        for run_kind in ("fastdora", "stock"):
+            out = os.path.join(a.work, f"lf_{mode}_{run_kind}")
+            shutil.rmtree(out, ignore_errors=True)
+            cfg = config(paths, out, fd_keys if run_kind == "fastdora" else [])
+            times[f"{mode}_{run_kind}"] = run([cli, "train", cfg], env={**env, **menv},
+                                              log_path=out + ".log", timeout=1200)
+            outs[run_kind] = out
+        what = f"LLaMA-Factory ({mode})"
+        rep = check_report(outs["fastdora"], what)
+        with open(os.path.join(outs["fastdora"], "probe_meta.json")) as f:
+            meta_fast = json.load(f)
+        assert meta_fast["converted_layers"] > 0 and meta_fast["path_counter_total"] > 0, meta_fast
+        if mode == "torchrun":
+            assert meta_fast["world_size"] == 2, meta_fast
+        check_no_report(outs["stock"], what + " (no use_fast_dora)")
+        with open(os.path.join(outs["stock"], "probe_meta.json")) as f:
+            meta_stock = json.load(f)
+        # the .pth hook is installed, so fastdora.plugins is imported to register the YAML keys; but nothing runs
+        assert meta_stock["converted_layers"] == 0 and meta_stock["path_counter_total"] == 0, meta_stock
+        log(f"{what}: without use_fast_dora (training process): {meta_stock}")
+        fl = losses_from_state(find_trainer_state(outs["fastdora"]))
+        sl = losses_from_state(find_trainer_state(outs["stock"]))
+        loss_diff = check_losses(fl, sl, what)
+        stock_out = os.path.join(outs["fastdora"], "stock_peft_logits.pt")
+        stock_logits(sys.executable, paths["model"], outs["fastdora"], stock_out, env={"HF_HUB_OFFLINE": "1"})
+        logit_diff = compare_logits(os.path.join(outs["fastdora"], PROBE_FILE), stock_out, what)
+        summary[mode] = {"loss_max_abs_diff": loss_diff, "logits_max_abs_diff": logit_diff,
+                         "path_counter": rep["active_path_counter"], "fastdora_layers": rep["fastdora_layers"],
+                         "world_size": meta_fast["world_size"]}
+    summary["seconds"] = {k: round(v, 1) for k, v in times.items()}
+    write_summary(a.work, "llamafactory", summary)
+    log("PASS: LLaMA-Factory " + ", ".join(m for m, _ in modes))
+
+
+if __name__ == "__main__":
+    main()
