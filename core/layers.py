@@ -90,6 +90,17 @@ def _tkey(t: torch.Tensor):
     return (t.data_ptr(), version, tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
+def _stored_weight(base_layer: nn.Module) -> torch.Tensor:
+    """The tensor that holds the base weight as stored (the cache key source): ``weight`` for plain and bitsandbytes
+    layers, ``W_q`` for HQQ."""
+    w = getattr(base_layer, "weight", None)
+    if w is None:
+        w = getattr(base_layer, "W_q", None)
+    if w is None:
+        raise TypeError(f"fastdora: cannot find the stored weight of {type(base_layer).__name__}")
+    return w
+
+
 def _peft_caching_enabled() -> bool:
     return bool(getattr(peft_dora, "ENABLE_DORA_CACHING", False))
 
@@ -207,7 +218,9 @@ class FastDoraLinearLayer(_FastDoraMixin, PEFT_CLASSES["DoraLinearLayer"]):
         def weight_fn():
             return transpose(dequantize_module_weight(base_layer), fan_in_fan_out)
 
-        return self._fd_weight_norm(base_layer.weight, weight_fn, lora_A.weight, lora_B.weight, scaling, adapter_name)
+        return self._fd_weight_norm(
+            _stored_weight(base_layer), weight_fn, lora_A.weight, lora_B.weight, scaling, adapter_name
+        )
 
     def forward(
         self,

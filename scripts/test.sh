@@ -70,8 +70,8 @@ run_peft_dora_tests() {  # run_peft_dora_tests VENV PEFT_VERSION
 
 VENV="$WORK/venv-test"
 
-say "venv: newest PEFT $PEFT_NEWEST (+ triton for the interpreter tests, bitsandbytes for quantized bases)"
-make_venv "$VENV" "$PEFT_NEWEST" "transformers" "triton" "bitsandbytes"
+say "venv: newest PEFT $PEFT_NEWEST (+ triton for the interpreter tests, bitsandbytes + hqq for quantized bases)"
+make_venv "$VENV" "$PEFT_NEWEST" "transformers" "triton" "bitsandbytes" "hqq"
 say "fastdora tests, PEFT $PEFT_NEWEST"
 run_fastdora_tests "$VENV"
 if [ "${FASTDORA_TEST_QUICK:-0}" = 1 ]; then say "quick mode: done"; exit 0; fi

@@ -1,5 +1,5 @@
-"""bitsandbytes 4-bit / 8-bit bases: fastdora goes through PEFT's dequantize path and matches stock PEFT.
-(bitsandbytes >= 0.45 runs these layers on CPU; skipped where it is not installed.)"""
+"""Quantized bases (bitsandbytes 4-bit / 8-bit, HQQ): fastdora goes through PEFT's dequantize path and matches stock
+PEFT. (bitsandbytes >= 0.45 and hqq run these layers on CPU; each test is skipped where its package is missing.)"""
 
 from __future__ import annotations
 
@@ -15,14 +15,18 @@ from fastdora.stats import active_path_counter
 
 from .helpers import MLP, assert_close, assert_same_grads, forward_backward, model_input, perturb_
 
-bnb = pytest.importorskip("bitsandbytes")
-
-
 def _quantized_mlp(kind: str) -> nn.Module:
+    bnb = pytest.importorskip("bitsandbytes")
     torch.manual_seed(0)
     model = MLP()
     for name in ("lin0", "lin1"):
         lin = getattr(model, name)
+        if kind == "hqq":
+            from hqq.core.quantize import BaseQuantizeConfig, HQQLinear
+
+            setattr(model, name, HQQLinear(lin, BaseQuantizeConfig(nbits=4, group_size=8), compute_dtype=torch.float32,
+                                           device="cpu"))
+            continue
         if kind == "4bit":
             q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=True, compute_dtype=torch.float32,
                                   quant_type="nf4")
@@ -33,8 +37,9 @@ def _quantized_mlp(kind: str) -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize("kind", ["4bit", "8bit"])
-def test_bnb_dora_parity(kind):
+@pytest.mark.parametrize("kind", ["4bit", "8bit", "hqq"])
+def test_quantized_dora_parity(kind):
+    pytest.importorskip("hqq" if kind == "hqq" else "bitsandbytes")
     try:
         base = _quantized_mlp(kind)
         base(torch.randn(2, 24))
@@ -51,7 +56,7 @@ def test_bnb_dora_parity(kind):
     ref, fast = build(), build()
     # (PEFT picks its bnb LoRA class only where bnb reports a GPU backend; either way the base is quantized and
     # both PEFT and fastdora read it through PEFT's dequantize_module_weight)
-    assert type(ref.base_model.model.lin0.get_base_layer()).__module__.startswith("bitsandbytes")
+    assert type(ref.base_model.model.lin0.get_base_layer()).__module__.startswith(("bitsandbytes", "hqq"))
     report = fastdora.enable(fast, kernels="eager")
     assert report.converted == {"linear": 2}, str(report)
     x = model_input(ref.base_model.model, torch.float32)
