@@ -7,9 +7,19 @@
 """
 
 from .config import Options
+from .distributed import invalidate as invalidate_norm_cache
 from .patching import EnableReport, disable, enable, process_wide_enabled
 from .stats import active_path_counter
 
 __version__ = "0.1.0"
 
-__all__ = ["enable", "disable", "EnableReport", "Options", "active_path_counter", "process_wide_enabled", "__version__"]
+__all__ = [
+    "enable",
+    "disable",
+    "invalidate_norm_cache",
+    "EnableReport",
+    "Options",
+    "active_path_counter",
+    "process_wide_enabled",
+    "__version__",
+]

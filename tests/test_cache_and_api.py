@@ -360,3 +360,16 @@ def test_norm_recomputed_after_fused_optimizer_step(opt_kwargs):
             opt.zero_grad()
     with torch.no_grad():
         assert_close(fast(x), ref(x), torch.float32, f"after AdamW({opt_kwargs}) steps")
+
+
+def test_invalidate_norm_cache_after_data_write():
+    """A write through `.data` outside any optimizer bumps no version: `fastdora.invalidate_norm_cache()` is the
+    documented way to drop cached norms after it."""
+    ref, fast = make_pair(MLP, dtype=F64)
+    x = model_input(ref.base_model.model, F64)
+    with torch.no_grad():
+        fast(x)
+        for m in (ref, fast):
+            _lin(m).lora_B["default"].weight.data.mul_(2.0)
+        fastdora.invalidate_norm_cache()
+        assert_close(fast(x), ref(x), F64, "after .data write + invalidate")
