@@ -163,8 +163,10 @@ def write_report(output_dir: Optional[str], payload: dict, filename: str = REPOR
 
 
 def is_main_process(args: Any = None) -> bool:
-    """Rank 0 of the job (HF ``TrainingArguments.process_index`` when available, else the RANK env variable)."""
+    """Rank 0 of the job (HF ``TrainingArguments.process_index`` when available, else torch.distributed's rank)."""
     proc = getattr(args, "process_index", None)
     if proc is not None:
         return int(proc) == 0
-    return int(os.environ.get("RANK", "0")) == 0
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
