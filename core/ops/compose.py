@@ -148,7 +148,7 @@ def compose_bwd_eager(
     feature_dim: int = -1,
 ):
     """Returns ``(d_result, d_lora, d_base_delta, dm, d_bias)`` (``None`` where not needed)."""
-    acc = acc_dtype_for(dy, magnitude) if dy.dtype != torch.float64 else torch.float64
+    acc = acc_dtype_for(dy, magnitude)
     vs = _view_shape(dy, feature_dim)
     g_flat = magnitude_scale(magnitude, norm, eps, acc)
     g = g_flat.view(vs)
