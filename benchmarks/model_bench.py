@@ -186,6 +186,18 @@ def run_worker(a):
         with torch.no_grad(), ctx():
             return model(input_ids=micro[0], logits_to_keep=1, use_cache=False).logits
 
+    import gc
+
+    gc_ms = [0.0, 0.0]
+
+    def gc_cb(phase, _info):  # Python GC pauses inside timed regions (a full collection can take ~0.25 s here)
+        if phase == "start":
+            gc_ms[1] = time.perf_counter()
+        else:
+            gc_ms[0] += (time.perf_counter() - gc_ms[1]) * 1e3
+
+    gc.callbacks.append(gc_cb)
+
     def timed(fn):
         _sync(dev)
         t0 = time.perf_counter()
@@ -202,8 +214,13 @@ def run_worker(a):
     rec["norm_invalidated_per_step"] = probe._version > v0
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    ts = [timed(grad_iter) for _ in range(a.repeats)]
+    ts, gcs = [], []
+    for _ in range(a.repeats):
+        gc_ms[0] = 0.0
+        ts.append(timed(grad_iter))
+        gcs.append(gc_ms[0])
     rec["grad_iter_s_all"] = ts
+    rec["grad_iter_gc_ms_all"] = gcs
     rec["grad_iter_s"] = statistics.median(ts)
     rec["grad_iter_min_s"] = min(ts)
     if dev.type == "cuda":
@@ -292,6 +309,16 @@ def plan_configs(plan, layers_q, layers_m):
         for setup in ("amp", "bf16"):
             add("qwen3-8b", layers_q, 384, setups=(setup,), variants=("lora", "fastdora"))
         add("qwen3-8b", layers_q, 384, variants=("peft_dora",))
+        return cfgs
+    if plan in ("gpu0", "gpu1"):  # one device call on 2 GPUs, one parent per GPU (ratios are taken within a GPU)
+        if plan == "gpu0":
+            add("qwen3-8b", layers_q, 384, setups=("amp",), variants=("lora", "fastdora", "peft_dora", "eager"))
+            add("qwen3-8b", layers_q, 16, setups=("amp",), variants=("lora", "fastdora", "peft_dora"))
+            add("qwen3-8b", layers_q, 64, setups=("amp",), variants=("lora", "fastdora", "peft_dora"))
+        else:
+            add("qwen3-8b", layers_q, 384, setups=("bf16",), variants=("lora", "fastdora", "peft_dora", "eager"))
+            add("mistral-small-24b", layers_m, 384, setups=("amp",), variants=("lora", "fastdora", "peft_dora"))
+            add("qwen3-8b", layers_q, 768, setups=("amp",), variants=("lora", "fastdora", "peft_dora"))
         return cfgs
     if plan == "r16":  # the no-regression check alone (AMP first)
         add("qwen3-8b", layers_q, 16, setups=("amp",), variants=("peft_dora", "fastdora", "lora"))
@@ -596,9 +623,24 @@ def plot(doc, png):
 
 
 def report(path, outdir=None):
-    with open(path) as f:
-        doc = json.load(f)
-    outdir = outdir or os.path.dirname(os.path.abspath(path))
+    """Tables + plot from one model_bench.json, or from several (``a.json,b.json``: e.g. one parent per GPU),
+    merged into ``outdir/model_bench.json``."""
+    paths = path.split(",")
+    docs = []
+    for pth in paths:
+        with open(pth) as f:
+            docs.append(json.load(f))
+    doc = docs[0]
+    if len(docs) > 1:
+        doc = dict(meta=dict(docs[0].get("meta", {}), merged_from=[d.get("meta") for d in docs],
+                             total_s=max(d.get("meta", {}).get("total_s", 0) for d in docs)),
+                   results=[r for d in docs for r in d["results"]],
+                   skipped=[r for d in docs for r in d.get("skipped", [])],
+                   errors=[r for d in docs for r in d.get("errors", [])])
+    outdir = outdir or os.path.dirname(os.path.abspath(paths[0]))
+    if len(docs) > 1:
+        with open(os.path.join(outdir, "model_bench.json"), "w") as f:
+            json.dump(doc, f, indent=1)
     t = tables(doc)
     tc, rows = target_checks(doc)
     extra = []
@@ -627,9 +669,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", action="store_true")
     p.add_argument("--wait-go", action="store_true")
-    p.add_argument("--report", help="regenerate tables/plot from a model_bench.json")
+    p.add_argument("--report", help="regenerate tables/plot from a model_bench.json (or several, comma-separated)")
+    p.add_argument("--report-out", help="--report: folder for the merged json / md / png")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
-    p.add_argument("--plan", default="h200", choices=["h200", "targets", "full", "r16", "tiny", "final"])
+    p.add_argument("--plan", default="h200", choices=["h200", "targets", "full", "r16", "tiny", "final", "gpu0", "gpu1"])
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test): --plan tiny, short seq")
     p.add_argument("--budget-s", type=float, default=270.0, help="parent: stop launching configs after this")
     p.add_argument("--layers", type=int, default=8, help="decoder layers for Qwen3-8B shapes")
@@ -658,7 +701,7 @@ def main():
         a.layers = 2
         a.repeats, a.inf_repeats = min(a.repeats, 2), min(a.inf_repeats, 2)
     if a.report:
-        report(a.report)
+        report(a.report, a.report_out)
         return
     if a.worker:
         try:

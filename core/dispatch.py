@@ -38,17 +38,44 @@ def _wants_triton(kernels: str, *tensors: Optional[torch.Tensor]) -> bool:
     return True
 
 
+_EAGER = None
+_KERNELS = None  # fastdora.kernels.compose once imported with Triton available, else False
+
+
+def _compose_kernels():
+    global _KERNELS
+    if _KERNELS is None:
+        if triton_available():
+            from .kernels import compose as k
+
+            _KERNELS = k
+        else:
+            _KERNELS = False
+    return _KERNELS
+
+
 def compose_impl(result, lora, magnitude, bias, base_delta, feature_dim, kernels: str):
-    from .ops.compose import EAGER
+    """Called on every composition: the common case is a handful of attribute checks."""
+    global _EAGER
+    if _EAGER is None:
+        from .ops.compose import EAGER as _e
 
-    if feature_dim not in (-1, result.dim() - 1) or not _wants_triton(kernels, result, lora, magnitude):
-        return EAGER
-    from .kernels import compose as k
-
+        _EAGER = _e
+    if (
+        kernels == "eager"
+        or not (result.is_cuda and lora.is_cuda and magnitude.is_cuda)
+        or (feature_dim != -1 and feature_dim != result.dim() - 1)
+    ):
+        return _EAGER
+    k = _compose_kernels()
+    if not k:
+        if kernels == "triton":
+            raise RuntimeError("fastdora: kernels='triton' was requested but Triton is not importable")
+        return _EAGER
     if kernels == "auto" and not k.worth_it(result):
-        return EAGER
+        return _EAGER
     if bias is not None and bias.requires_grad:
-        return EAGER
+        return _EAGER
     return k.TRITON
 
 

@@ -101,6 +101,14 @@ def _stored_weight(base_layer: nn.Module) -> torch.Tensor:
     return w
 
 
+def _base_layer(module: nn.Module) -> nn.Module:
+    """``module.get_base_layer()`` without its attribute walk in the common (not nested) case."""
+    base = module._modules.get("base_layer")
+    if base is None or "base_layer" in base._modules:
+        return module.get_base_layer()
+    return base
+
+
 def _peft_caching_enabled() -> bool:
     return bool(getattr(peft_dora, "ENABLE_DORA_CACHING", False))
 
@@ -438,7 +446,7 @@ class FastDoraLinearVariant(PEFT_CLASSES["DoraLinearVariant"]):
             lora_A=module.lora_A[active_adapter],
             lora_B=module.lora_B[active_adapter],
             scaling=module.scaling[active_adapter],
-            base_layer=module.get_base_layer(),
+            base_layer=_base_layer(module),
             base_result=base_result,
             adapter_name=active_adapter,
             fastdora_result=result,
@@ -464,7 +472,7 @@ class FastDoraEmbeddingVariant(PEFT_CLASSES["DoraEmbeddingVariant"]):
             lora_A=module.lora_embedding_A[active_adapter].T,
             lora_B=module.lora_embedding_B[active_adapter].T,
             scaling=module.scaling[active_adapter],
-            base_layer=module.get_base_layer(),
+            base_layer=_base_layer(module),
             embed_fn=module._embed,
             adapter_name=active_adapter,
             fastdora_result=result,

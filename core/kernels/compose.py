@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from ..ops import compose as _ops
+from . import _launch
 
 try:  # pragma: no cover - exercised wherever triton is installed
     import triton
@@ -242,6 +243,11 @@ if AVAILABLE:
             tl.store(db_ptr + cols, (1.0 - g) * tl.sum(acc_db, axis=0), mask=cmask)
 
 
+    _FWD = _launch.Launcher(_dora_fwd_kernel)
+    _BWD = _launch.Launcher(_dora_bwd_kernel)
+    _RED = _launch.Launcher(_dora_reduce_kernel)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # block-size heuristics
 # --------------------------------------------------------------------------------------------------------------------
@@ -375,14 +381,12 @@ def compose_fwd(result, lora, magnitude, norm, scale, eps, bias, base_delta, out
     block_m, block_n, warps = _fwd_config(M, N, result.device)
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
     with _device_ctx(result):
-        _dora_fwd_kernel[grid](
-            r2, l2, d2, b, mag, nrm, y2, i2,
-            M, N,
-            r2.stride(0), l2.stride(0), d2.stride(0), y2.stride(0), i2.stride(0),
-            float(scale), float(eps),
-            HAS_BIAS=bias is not None, DELTA=base_delta is not None, SAVE_INNER=save_inner,
-            SOFT_BF16=not result.is_cuda,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+        _FWD(
+            grid,
+            (r2, l2, d2, b, mag, nrm, y2, i2, M, N,
+             r2.stride(0), l2.stride(0), d2.stride(0), y2.stride(0), i2.stride(0), float(scale), float(eps)),
+            (bias is not None, base_delta is not None, bool(save_inner), not result.is_cuda, block_m, block_n),
+            warps,
         )
     return y, inner
 
@@ -440,36 +444,27 @@ def compose_bwd(
     part_dm = torch.empty((n_parts, N), dtype=torch.float32, device=dev) if need_dm else mag
     part_db = torch.empty((n_parts, N), dtype=torch.float32, device=dev) if need_dbias else mag
     grid = (n_parts, triton.cdiv(N, block_n))
+    soft = not dy.is_cuda
     with _device_ctx(dy):
-        _dora_bwd_kernel[grid](
-            dy2, in2, mag, nrm,
-            dres2, dl2, dbd2, part_dm, part_db,
-            M, N, rows_per_prog,
-            dy2.stride(0), in2.stride(0), dres2.stride(0), dl2.stride(0), dbd2.stride(0),
-            float(scale), float(eps),
-            DELTA=bool(delta_form), WRITE_DRES=write_dres, WRITE_DLORA=d_lora is not None,
-            NEED_DM=bool(need_dm), NEED_DB=need_dbias, SOFT_BF16=not dy.is_cuda, PREFETCH=prefetch,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+        _BWD(
+            grid,
+            (dy2, in2, mag, nrm, dres2, dl2, dbd2, part_dm, part_db, M, N, rows_per_prog,
+             dy2.stride(0), in2.stride(0), dres2.stride(0), dl2.stride(0), dbd2.stride(0), float(scale), float(eps)),
+            (bool(delta_form), write_dres, d_lora is not None, bool(need_dm), need_dbias, soft, prefetch,
+             block_m, block_n),
+            warps,
         )
         if need_dm or need_dbias:
             rb = min(64, _next_pow2(N))
             rp = min(32, _next_pow2(n_parts))
-            _dora_reduce_kernel[(triton.cdiv(N, rb),)](
-                part_dm, part_db, mag, nrm,
-                dm if dm is not None else mag, d_bias if d_bias is not None else mag,
-                n_parts, N, float(eps),
-                NEED_DM=bool(need_dm), NEED_DB=need_dbias, SOFT_BF16=not dy.is_cuda,
-                BLOCK_P=rp, BLOCK_N=rb, num_warps=4,
+            _RED(
+                (triton.cdiv(N, rb),),
+                (part_dm, part_db, mag, nrm, dm if dm is not None else mag, d_bias if d_bias is not None else mag,
+                 n_parts, N, float(eps)),
+                (bool(need_dm), need_dbias, soft, rp, rb),
+                4,
             )
     return d_result, d_lora, d_bd, dm, d_bias
-
-
-class _nullctx:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 # --------------------------------------------------------------------------------------------------------------------

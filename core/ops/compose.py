@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 
 from .. import dispatch
-from ..stats import record
+from ..stats import path_key, record
 
 __all__ = ["dora_compose", "compose_fwd_eager", "compose_bwd_eager", "acc_dtype_for", "magnitude_scale"]
 
@@ -211,7 +211,12 @@ class _DoraCompose(torch.autograd.Function):
         y, inner = impl.compose_fwd(
             result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, need_dm, feature_dim
         )
-        ctx.save_for_backward(magnitude, norm, inner if need_dm else None)
+        # Only the activation-sized ``inner`` goes through save_for_backward (and so through gradient
+        # checkpointing's pack/unpack hooks and recomputation). The [d_out] magnitude and norm vectors are plain
+        # attributes: the backward reads their values only, and neither is an output of this node (no cycle).
+        if need_dm:
+            ctx.save_for_backward(inner)
+        ctx.magnitude, ctx.norm = magnitude, norm
         ctx.scale, ctx.eps, ctx.feature_dim, ctx.impl = scale, eps, feature_dim, impl
         ctx.delta_form = base_delta is not None
         ctx.dtypes = (result.dtype, lora.dtype, None if base_delta is None else base_delta.dtype)
@@ -221,12 +226,13 @@ class _DoraCompose(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        magnitude, norm, inner = ctx.saved_tensors
+        inner = ctx.saved_tensors[0] if ctx.need_dm else None
         result_dtype, lora_dtype, bd_dtype = ctx.dtypes
+        nig = ctx.needs_input_grad
         d_result, d_lora, d_bd, dm, d_bias = ctx.impl.compose_bwd(
             dy.contiguous() if ctx.feature_dim == -1 else dy,
-            magnitude,
-            norm,
+            ctx.magnitude,
+            ctx.norm,
             ctx.scale,
             ctx.eps,
             inner,
@@ -234,8 +240,8 @@ class _DoraCompose(torch.autograd.Function):
             result_dtype,
             lora_dtype,
             bd_dtype,
-            ctx.need_dm and ctx.needs_input_grad[2],
-            ctx.need_dbias and ctx.needs_input_grad[4],
+            ctx.need_dm and nig[2],
+            ctx.need_dbias and nig[4],
             ctx.feature_dim,
         )
         if d_bias is not None:
@@ -291,7 +297,7 @@ def dora_compose(
             out_dtype = torch.promote_types(out_dtype, base_delta.dtype)
     impl = dispatch.compose_impl(result, lora, magnitude, bias, base_delta, feature_dim, kernels)
     if kind is not None:
-        record(f"{kind}:{impl.name}")
+        record(path_key(kind, impl.name))
     if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
         # inference path: no autograd node, nothing saved
         return impl.compose_fwd(result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, False, feature_dim)[0]

@@ -1,0 +1,82 @@
+"""The low-overhead Triton launcher (``fastdora.kernels._launch``): the first launch of every specialisation goes
+through the JIT, later ones through the compiled kernel, and anything Triton specialises on starts a new entry.
+
+The fast path itself needs a GPU (``tests/test_kernels_gpu.py`` runs every kernel through it); here a stand-in JIT
+function records which way each launch went.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+launch = pytest.importorskip("fastdora.kernels._launch")
+
+
+class _Compiled:
+    def __init__(self, log):
+        self.log = log
+
+    def __getitem__(self, grid):
+        def runner(*args, stream=None):
+            self.log.append(("fast", grid, args))
+
+        return runner
+
+
+class _Jit:
+    def __init__(self):
+        self.log = []
+
+    def __getitem__(self, grid):
+        def run(*args, num_warps):
+            self.log.append(("jit", grid, args, num_warps))
+            return _Compiled(self.log)
+
+        return run
+
+
+def test_first_launch_per_specialisation_compiles_then_reuses():
+    fn = _Jit()
+    launcher = launch.Launcher(fn)
+    launcher.fast = True  # the stand-in is no JITFunction
+    a = torch.zeros(64)
+    b = torch.zeros(64, dtype=torch.bfloat16)
+    calls = [
+        ((2,), (a, b, 64, 0.5), (True, 16), 4, "jit"),
+        ((3, 2), (a, b, 64, 0.7), (True, 16), 4, "fast"),  # same specialisation (floats are not specialised)
+        ((3,), (a, b, 48, 0.7), (True, 16), 4, "fast"),  # 48: still a multiple of 16 in int32
+        ((3,), (a, b, 1, 0.7), (True, 16), 4, "jit"),  # == 1
+        ((3,), (a, b, 40, 0.7), (True, 16), 4, "jit"),  # not a multiple of 16
+        ((3,), (a, b, 2**31, 0.7), (True, 16), 4, "jit"),  # int64
+        ((3,), (a[1:], b, 64, 0.7), (True, 16), 4, "jit"),  # pointer not 16-byte aligned
+        ((3,), (a, a, 64, 0.7), (True, 16), 4, "jit"),  # dtype
+        ((3,), (a, b, 64, 0.7), (False, 16), 4, "jit"),  # constexpr value
+        ((3,), (a, b, 64, 0.7), (True, 16), 8, "jit"),  # num_warps
+        ((3,), (a, b, 40, 0.7), (True, 16), 4, "fast"),  # cached above
+    ]
+    for grid, args, consts, warps, _ in calls:
+        launcher(grid, args, consts, warps)
+    assert [e[0] for e in fn.log] == [c[-1] for c in calls]
+    # JIT launches get every argument positionally, constexprs last; fast ones a 3-D grid and the same arguments
+    kind, grid, args, warps = fn.log[0]
+    assert grid == (2, 1, 1) and warps == 4 and len(args) == 6 and args[0] is a and args[4:] == (True, 16)
+    kind, grid, args = fn.log[1]
+    assert grid == (3, 2, 1) and args[0] is a and args[1] is b and args[2:] == (64, 0.7, True, 16)
+
+
+def test_not_fast_launches_everything_through_the_jit():
+    fn = _Jit()
+    launcher = launch.Launcher(fn)
+    assert launcher.fast is False  # not a JITFunction
+    for _ in range(3):
+        launcher((1,), (torch.zeros(4), 4), (True,), 4)
+    assert [e[0] for e in fn.log] == ["jit"] * 3
+
+
+def test_fast_launch_detected_for_the_installed_triton():
+    triton = pytest.importorskip("triton")
+    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
+    if (major, minor) >= (3, 3):
+        # Triton 3.3 ... 3.9 pass every bound argument (constexprs included) to CompiledKernel.run
+        assert launch.FAST_LAUNCH
