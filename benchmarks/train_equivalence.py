@@ -287,11 +287,24 @@ def summarize(doc):
 
 
 def report(path, outdir=None):
-    with open(path) as f:
-        doc = json.load(f)
+    """Markdown + plot from one train_equivalence.json, or from several (``a.json,b.json``: e.g. one parent per GPU,
+    one seed each), merged into ``outdir/train_equivalence.json``."""
+    paths = path.split(",")
+    docs = []
+    for pth in paths:
+        with open(pth) as f:
+            docs.append(json.load(f))
+    doc = docs[0]
+    outdir = outdir or os.path.dirname(os.path.abspath(paths[0]))
+    if len(docs) > 1:
+        doc = dict(meta=dict(docs[0].get("meta", {}), merged_from=[d.get("meta") for d in docs]),
+                   runs=sorted((r for d in docs for r in d["runs"]), key=lambda r: (r["seed"], r["variant"])),
+                   errors=[e for d in docs for e in d.get("errors", [])])
+        summarize(doc)
+        with open(os.path.join(outdir, "train_equivalence.json"), "w") as f:
+            json.dump(doc, f)
     if "summary" not in doc:
         summarize(doc)
-    outdir = outdir or os.path.dirname(os.path.abspath(path))
     r0 = doc["runs"][0] if doc["runs"] else {}
     lines = []
     if r0:
@@ -384,7 +397,8 @@ def plot(doc, png):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", action="store_true")
-    p.add_argument("--report")
+    p.add_argument("--report", help="markdown + plot from a train_equivalence.json (or several, comma-separated)")
+    p.add_argument("--report-out", help="--report: folder for the merged json / md / png")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, 20 steps")
     p.add_argument("--device", default="cuda")
@@ -417,7 +431,7 @@ def main():
         a.heads, a.kv_heads, a.rank, a.eval_batches, a.eval_every = 4, 2, 8, 2, 10
         a.warmup_steps, a.max_corpus_bytes, a.parallel = 5, 2_000_000, 2
     if a.report:
-        report(a.report)
+        report(a.report, a.report_out)
         return
     if a.worker:
         try:

@@ -14,14 +14,18 @@ launch = pytest.importorskip("fastdora.kernels._launch")
 
 
 class _Compiled:
+    function = "fn-handle"
+    packed_metadata = "packed"
+
     def __init__(self, log):
         self.log = log
 
-    def __getitem__(self, grid):
-        def runner(*args, stream=None):
-            self.log.append(("fast", grid, args))
+    def launch_metadata(self, grid, stream, *args):
+        return None
 
-        return runner
+    def run(self, g0, g1, g2, stream, function, packed, meta, enter, exit_, *args):
+        assert (function, packed, stream) == ("fn-handle", "packed", 7)
+        self.log.append(("fast", (g0, g1, g2), args))
 
 
 class _Jit:
@@ -36,31 +40,39 @@ class _Jit:
         return run
 
 
-def test_first_launch_per_specialisation_compiles_then_reuses():
+class _Knobs:
+    class runtime:
+        launch_enter_hook = None
+        launch_exit_hook = None
+
+
+def test_first_launch_per_specialisation_compiles_then_reuses(monkeypatch):
+    monkeypatch.setattr(launch, "_raw_stream", lambda dev: 7)
+    monkeypatch.setattr(launch, "_knobs", _Knobs)
     fn = _Jit()
     launcher = launch.Launcher(fn)
     launcher.fast = True  # the stand-in is no JITFunction
     a = torch.zeros(64)
     b = torch.zeros(64, dtype=torch.bfloat16)
     calls = [
-        ((2,), (a, b, 64, 0.5), (True, 16), 4, "jit"),
-        ((3, 2), (a, b, 64, 0.7), (True, 16), 4, "fast"),  # same specialisation (floats are not specialised)
-        ((3,), (a, b, 48, 0.7), (True, 16), 4, "fast"),  # 48: still a multiple of 16 in int32
-        ((3,), (a, b, 1, 0.7), (True, 16), 4, "jit"),  # == 1
-        ((3,), (a, b, 40, 0.7), (True, 16), 4, "jit"),  # not a multiple of 16
-        ((3,), (a, b, 2**31, 0.7), (True, 16), 4, "jit"),  # int64
-        ((3,), (a[1:], b, 64, 0.7), (True, 16), 4, "jit"),  # pointer not 16-byte aligned
-        ((3,), (a, a, 64, 0.7), (True, 16), 4, "jit"),  # dtype
-        ((3,), (a, b, 64, 0.7), (False, 16), 4, "jit"),  # constexpr value
-        ((3,), (a, b, 64, 0.7), (True, 16), 8, "jit"),  # num_warps
-        ((3,), (a, b, 40, 0.7), (True, 16), 4, "fast"),  # cached above
+        ((2,), (a, b), (64,), (0.5,), (True, 16), 4, "jit"),
+        ((3, 2), (a, b), (64,), (0.7,), (True, 16), 4, "fast"),  # same specialisation (floats are not specialised)
+        ((3,), (a, b), (48,), (0.7,), (True, 16), 4, "fast"),  # 48: still a multiple of 16 in int32
+        ((3,), (a, b), (1,), (0.7,), (True, 16), 4, "jit"),  # == 1
+        ((3,), (a, b), (40,), (0.7,), (True, 16), 4, "jit"),  # not a multiple of 16
+        ((3,), (a, b), (2**31,), (0.7,), (True, 16), 4, "jit"),  # int64
+        ((3,), (a[1:], b), (64,), (0.7,), (True, 16), 4, "jit"),  # pointer not 16-byte aligned
+        ((3,), (a, a), (64,), (0.7,), (True, 16), 4, "jit"),  # dtype
+        ((3,), (a, b), (64,), (0.7,), (False, 16), 4, "jit"),  # constexpr value
+        ((3,), (a, b), (64,), (0.7,), (True, 16), 8, "jit"),  # num_warps
+        ((3,), (a, b), (40,), (0.7,), (True, 16), 4, "fast"),  # cached above
     ]
-    for grid, args, consts, warps, _ in calls:
-        launcher(grid, args, consts, warps)
+    for grid, tensors, ints, floats, consts, warps, _ in calls:
+        launcher(grid, tensors, ints, floats, consts, warps)
     assert [e[0] for e in fn.log] == [c[-1] for c in calls]
-    # JIT launches get every argument positionally, constexprs last; fast ones a 3-D grid and the same arguments
+    # JIT launches get every argument positionally (pointers, ints, floats, constexprs); fast ones a 3-D grid too
     kind, grid, args, warps = fn.log[0]
-    assert grid == (2, 1, 1) and warps == 4 and len(args) == 6 and args[0] is a and args[4:] == (True, 16)
+    assert grid == (2, 1, 1) and warps == 4 and len(args) == 6 and args[0] is a and args[2:] == (64, 0.5, True, 16)
     kind, grid, args = fn.log[1]
     assert grid == (3, 2, 1) and args[0] is a and args[1] is b and args[2:] == (64, 0.7, True, 16)
 
@@ -70,13 +82,13 @@ def test_not_fast_launches_everything_through_the_jit():
     launcher = launch.Launcher(fn)
     assert launcher.fast is False  # not a JITFunction
     for _ in range(3):
-        launcher((1,), (torch.zeros(4), 4), (True,), 4)
+        launcher((1,), (torch.zeros(4),), (4,), (), (True,), 4)
     assert [e[0] for e in fn.log] == ["jit"] * 3
 
 
 def test_fast_launch_detected_for_the_installed_triton():
     triton = pytest.importorskip("triton")
     major, minor = (int(x) for x in triton.__version__.split(".")[:2])
-    if (major, minor) >= (3, 3):
-        # Triton 3.3 ... 3.9 pass every bound argument (constexprs included) to CompiledKernel.run
+    if (major, minor) >= (3, 4):
+        # Triton 3.4 ... 3.9 pass every bound argument (constexprs included) to CompiledKernel.run
         assert launch.FAST_LAUNCH

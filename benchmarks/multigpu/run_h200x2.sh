@@ -14,10 +14,11 @@ fi
 # `import fastdora` without installing: core/ is the fastdora package
 mkdir -p /tmp/fdpkg && ln -sfn "$PWD/core" /tmp/fdpkg/fastdora && export PYTHONPATH=/tmp/fdpkg:${PYTHONPATH:-}
 # Qwen3-like: 4 decoder layers, hidden 2048, MLP 6144, 16 heads (8 KV, head_dim 128), vocab 32768; DoRA r=16 on all
-# 28 linear layers; bf16; gradient checkpointing; 2 ranks x micro-batch 2 x seq 1024, 2 accumulation steps; 20 steps.
+# 28 linear layers; bf16; gradient checkpointing; 2 ranks x micro-batch 2 x seq 1024, 2 accumulation steps; 20 steps;
+# learnable data (arithmetic token sequences, --data pattern) and lr 1e-3, so the loss falls within the 20 steps.
 PY=${PY:-python3}
 ARGS=${ARGS:-"--steps 20 --grad-accum 2 --micro-bs 2 --seq 1024 --layers 4 --hidden 2048 --inter 6144 --heads 16 --kv-heads 8
-      --head-dim 128 --vocab 32768 --rank 16 --lr 1e-4 --bf16"}
+      --head-dim 128 --vocab 32768 --rank 16 --lr 1e-3 --bf16 --data pattern"}
 ARGS="$ARGS --out /tmp/fdres"
 $PY -c "import torch, deepspeed; print(torch.__version__, torch.cuda.device_count(), deepspeed.__version__)" 2>&1 | tail -1 | tee "$OUT/log.txt"
 ENGINES=fsdp1,fsdp2,zero2,zero3

@@ -53,6 +53,7 @@ def parse():
     p.add_argument("--bf16", action="store_true", help="bf16 compute (engine-native mixed precision / autocast)")
     p.add_argument("--global-world", type=int, default=0, help="single engine: emulate this many ranks' batch")
     p.add_argument("--save-params", action="store_true")
+    p.add_argument("--data", default="random", choices=["random", "pattern"])
     p.add_argument("--fsdp1-mp", action="store_true", help="FSDP1 MixedPrecision(bf16) policy")
     p.add_argument("--fsdp1-orig-params", action="store_true", help="FSDP1 use_orig_params=True")
     p.add_argument("--zero3-release", action="store_true", help="ZeRO-3: no prefetch/reuse (params gone after use)")
@@ -120,10 +121,22 @@ def build_model(args, impl, device):
     return model.to(device)
 
 
+def global_batch(args, step, micro, rows):
+    """The global micro-batch (step, micro) of ``rows`` sequences, the same for every world size. ``--data random``:
+    uniform tokens (the loss stays near log(vocab)); ``--data pattern``: arithmetic token sequences with a random
+    start and stride per row, which the model learns within a few steps (the loss falls, so a wrong or stale norm
+    shows up as diverging curves)."""
+    g = torch.Generator().manual_seed(1000 + 97 * step + micro)
+    if getattr(args, "data", "random") == "pattern":
+        start = torch.randint(0, args.vocab, (rows, 1), generator=g)
+        stride = torch.randint(1, 8, (rows, 1), generator=g)
+        return (start + stride * torch.arange(args.seq)) % args.vocab
+    return torch.randint(0, args.vocab, (rows, args.seq), generator=g)
+
+
 def batches(args, step, micro, rank, ws, device):
     """Rank `rank`'s slice of the global micro-batch (step, micro): identical global data for every world size."""
-    g = torch.Generator().manual_seed(1000 + 97 * step + micro)
-    ids = torch.randint(0, args.vocab, (ws * args.micro_bs, args.seq), generator=g)
+    ids = global_batch(args, step, micro, ws * args.micro_bs)
     return ids[rank * args.micro_bs : (rank + 1) * args.micro_bs].to(device)
 
 
@@ -252,8 +265,7 @@ def run_one(args, engine, impl, ws, rank, device):
         for micro in range(args.grad_accum):
             ids = batches(args, step, micro, 0 if engine == "single" else rank, data_ws, device)
             if engine == "single" and data_ws > 1:  # the whole global batch in one process
-                g = torch.Generator().manual_seed(1000 + 97 * step + micro)
-                ids = torch.randint(0, args.vocab, (data_ws * args.micro_bs, args.seq), generator=g).to(device)
+                ids = global_batch(args, step, micro, data_ws * args.micro_bs).to(device)
             with amp:
                 loss = fwd(input_ids=ids, labels=ids).loss
             tot += loss.detach().double()

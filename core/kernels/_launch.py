@@ -10,12 +10,14 @@ The cache key is a superset of what Triton specialises on (so a key hit means Tr
 per tensor its dtype and 16-byte alignment, per int ``== 1``, divisibility by 16 and the 32-bit range, per float
 nothing but its type, plus every constexpr value, ``num_warps`` and the device. The fast launch is used only where
 the installed Triton passes all bound arguments to ``CompiledKernel.run`` (checked once from the JIT's own source,
-Triton >= 3.3); otherwise, and under ``TRITON_INTERPRET=1``, every launch goes through the JIT.
+Triton >= 3.4); otherwise, and under ``TRITON_INTERPRET=1``, every launch goes through the JIT.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from typing import Optional
 
 import torch
 
@@ -24,46 +26,63 @@ try:  # pragma: no cover - exercised wherever triton is installed
 except Exception:  # pragma: no cover
     JITFunction = None
 
-__all__ = ["Launcher", "FAST_LAUNCH", "spec_key"]
+__all__ = ["Launcher", "FAST_LAUNCH", "spec_key", "device_ctx"]
+
+_NULL = contextlib.nullcontext()
+
+
+def device_ctx(t: torch.Tensor):
+    """Switch the current CUDA device only when ``t`` is on another one (the common case needs no switch)."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return _NULL
 
 
 def _fast_launch_supported() -> bool:
     if JITFunction is None:
         return False
     try:
+        from triton import knobs  # noqa: F401  (Triton >= 3.4)
         from triton.compiler.compiler import CompiledKernel
 
         src = inspect.getsource(JITFunction.run)
-    except Exception:  # pragma: no cover - no source: use the JIT path
+    except Exception:  # pragma: no cover - no source / older Triton: use the JIT path
         return False
-    return "*bound_args.values()" in src and "kernel.run(" in src and hasattr(CompiledKernel, "__getitem__")
+    return (
+        "*bound_args.values()" in src
+        and "kernel.run(" in src
+        and hasattr(CompiledKernel, "launch_metadata")
+    )
 
 
 FAST_LAUNCH = _fast_launch_supported()
+if FAST_LAUNCH:  # pragma: no cover - needs Triton >= 3.4
+    from triton import knobs as _knobs
+
+    # what Triton's own driver uses for the current stream (same fallback)
+    _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+        lambda idx: torch.cuda.current_stream(idx).cuda_stream
+    )
+else:
+    _knobs = None
+    _raw_stream = None
 
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 
 
-def spec_key(args) -> tuple:
-    """Specialisation-relevant properties of the runtime arguments (see module docstring)."""
-    key = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            key.append((a.dtype, (a.data_ptr() & 15) == 0))
-        elif isinstance(a, bool):
-            key.append(("b", a))
-        elif isinstance(a, int):
-            key.append((a == 1, (a & 15) == 0, _I32_MIN <= a <= _I32_MAX))
-        elif isinstance(a, float):
-            key.append("f")
-        else:
-            key.append(("v", a))
-    return tuple(key)
+def spec_key(tensors: tuple, ints: tuple) -> tuple:
+    """Specialisation-relevant properties of the runtime arguments (see module docstring); floats have none."""
+    return (
+        tuple([t.dtype for t in tensors]),
+        tuple([(t.data_ptr() & 15) == 0 for t in tensors]),
+        tuple([(i == 1, (i & 15) == 0, _I32_MIN <= i <= _I32_MAX) for i in ints]),
+    )
 
 
 class Launcher:
-    """``Launcher(jit_fn)(grid, runtime_args, constexpr_values, num_warps)``: all parameters positional, the
-    constexpr ones last (in declaration order)."""
+    """``Launcher(jit_fn)(grid, tensors, ints, floats, consts, num_warps[, num_stages])`` for a kernel whose
+    parameters are, in order, pointer arguments, int arguments, float arguments, constexprs (``consts``, in
+    declaration order)."""
 
     __slots__ = ("fn", "cache", "fast")
 
@@ -72,17 +91,26 @@ class Launcher:
         self.cache: dict = {}
         self.fast = FAST_LAUNCH and isinstance(fn, JITFunction)
 
-    def __call__(self, grid, args: tuple, consts: tuple, num_warps: int):
+    def __call__(self, grid, tensors: tuple, ints: tuple, floats: tuple, consts: tuple, num_warps: int,
+                 num_stages: Optional[int] = None):
         if len(grid) < 3:
             grid = tuple(grid) + (1,) * (3 - len(grid))
+        opts = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
         if not self.fast:
-            self.fn[grid](*args, *consts, num_warps=num_warps)
+            self.fn[grid](*tensors, *ints, *floats, *consts, **opts)
             return
-        key = (spec_key(args), consts, num_warps, args[0].get_device())
-        compiled = self.cache.get(key)
-        if compiled is None:
-            compiled = self.fn[grid](*args, *consts, num_warps=num_warps)
-            if compiled is not None:
-                self.cache[key] = compiled
+        dev = tensors[0].get_device()
+        key = (spec_key(tensors, ints), consts, num_warps, num_stages, dev)
+        entry = self.cache.get(key)
+        if entry is None:
+            compiled = self.fn[grid](*tensors, *ints, *floats, *consts, **opts)
+            if compiled is not None:  # launched and compiled; later calls go straight to it
+                self.cache[key] = (compiled, compiled.function, compiled.packed_metadata)
             return
-        compiled[grid](*args, *consts)
+        compiled, function, packed = entry
+        # exactly what ``CompiledKernel.__getitem__(grid)(*args)`` does, minus the closure and driver look-ups
+        stream = _raw_stream(dev)
+        args = (*tensors, *ints, *floats, *consts)
+        rt = _knobs.runtime
+        compiled.run(grid[0], grid[1], grid[2], stream, function, packed, compiled.launch_metadata(grid, stream, *args),
+                     rt.launch_enter_hook, rt.launch_exit_hook, *args)

@@ -22,7 +22,6 @@ module's docstring. Design:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Optional
 
@@ -318,6 +317,12 @@ def _bwd_config_uncached(M: int, N: int, device: torch.device) -> tuple[int, int
 # --------------------------------------------------------------------------------------------------------------------
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CONTIG = torch.contiguous_format
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # triton.cdiv is a JIT-aware wrapper: ~5 us per call from Python
+
 
 
 def _rows(t: torch.Tensor, N: int) -> torch.Tensor:
@@ -335,14 +340,6 @@ def _vec(t: torch.Tensor) -> torch.Tensor:
     return t if (t.dim() == 1 and t.is_contiguous()) else t.reshape(-1).contiguous()
 
 
-_NULL = contextlib.nullcontext()
-
-
-def _device_ctx(t: torch.Tensor):
-    """Switch the current CUDA device only when ``t`` is on another one (the common case needs no switch)."""
-    if t.is_cuda and t.device.index != torch.cuda.current_device():
-        return torch.cuda.device(t.device)
-    return _NULL
 
 
 def _kernel_ok(*tensors: Optional[torch.Tensor]) -> bool:
@@ -367,8 +364,8 @@ def compose_fwd(result, lora, magnitude, norm, scale, eps, bias, base_delta, out
             result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, save_inner, feature_dim
         )
     inner_dtype = torch.promote_types(result.dtype, lora.dtype)
-    y = torch.empty(result.shape, dtype=out_dtype, device=result.device)
-    inner = torch.empty(result.shape, dtype=inner_dtype, device=result.device) if save_inner else None
+    y = torch.empty_like(result, dtype=out_dtype, memory_format=_CONTIG)
+    inner = torch.empty_like(result, dtype=inner_dtype, memory_format=_CONTIG) if save_inner else None
     M = result.numel() // N if N else 0
     if M == 0 or N == 0:
         return y, inner
@@ -379,12 +376,13 @@ def compose_fwd(result, lora, magnitude, norm, scale, eps, bias, base_delta, out
     mag, nrm = _vec(magnitude), _vec(norm)
     b = _vec(bias) if bias is not None else mag
     block_m, block_n, warps = _fwd_config(M, N, result.device)
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-    with _device_ctx(result):
+    grid = (_cdiv(M, block_m), _cdiv(N, block_n))
+    with _launch.device_ctx(result):
         _FWD(
             grid,
-            (r2, l2, d2, b, mag, nrm, y2, i2, M, N,
-             r2.stride(0), l2.stride(0), d2.stride(0), y2.stride(0), i2.stride(0), float(scale), float(eps)),
+            (r2, l2, d2, b, mag, nrm, y2, i2),
+            (M, N, r2.stride(0), l2.stride(0), d2.stride(0), y2.stride(0), i2.stride(0)),
+            (float(scale), float(eps)),
             (bias is not None, base_delta is not None, bool(save_inner), not result.is_cuda, block_m, block_n),
             warps,
         )
@@ -414,8 +412,8 @@ def compose_bwd(
     need_dbias = bool(need_dbias)
     dev = dy.device
     M = dy.numel() // N if N else 0
-    d_lora = torch.empty(dy.shape, dtype=lora_dtype, device=dev) if need_dlora else None
-    d_bd = torch.empty(dy.shape, dtype=base_delta_dtype, device=dev) if delta_form else None
+    d_lora = torch.empty_like(dy, dtype=lora_dtype, memory_format=_CONTIG) if need_dlora else None
+    d_bd = torch.empty_like(dy, dtype=base_delta_dtype, memory_format=_CONTIG) if delta_form else None
     if delta_form:
         # d_result = dy: no kernel work when the dtype already matches (same as ``dy.to(result_dtype)``)
         write_dres = need_dresult and dy.dtype != result_dtype
@@ -424,8 +422,8 @@ def compose_bwd(
         write_dres = need_dresult
         d_result = None
     if write_dres:
-        d_result = torch.empty(dy.shape, dtype=result_dtype, device=dev)
-    dm = torch.empty(magnitude.shape, dtype=magnitude.dtype, device=dev) if need_dm else None
+        d_result = torch.empty_like(dy, dtype=result_dtype, memory_format=_CONTIG)
+    dm = torch.empty_like(magnitude, memory_format=_CONTIG) if need_dm else None
     d_bias = torch.empty(N, dtype=torch.float32, device=dev) if need_dbias else None
     if M == 0 or N == 0:
         if dm is not None:
@@ -440,16 +438,17 @@ def compose_bwd(
     dbd2 = d_bd.view(-1, N) if d_bd is not None else dy2
     mag, nrm = _vec(magnitude), _vec(norm)
     block_m, block_n, warps, rows_per_prog, prefetch = _bwd_config(M, N, dev)
-    n_parts = triton.cdiv(M, rows_per_prog)
+    n_parts = _cdiv(M, rows_per_prog)
     part_dm = torch.empty((n_parts, N), dtype=torch.float32, device=dev) if need_dm else mag
     part_db = torch.empty((n_parts, N), dtype=torch.float32, device=dev) if need_dbias else mag
-    grid = (n_parts, triton.cdiv(N, block_n))
+    grid = (n_parts, _cdiv(N, block_n))
     soft = not dy.is_cuda
-    with _device_ctx(dy):
+    with _launch.device_ctx(dy):
         _BWD(
             grid,
-            (dy2, in2, mag, nrm, dres2, dl2, dbd2, part_dm, part_db, M, N, rows_per_prog,
-             dy2.stride(0), in2.stride(0), dres2.stride(0), dl2.stride(0), dbd2.stride(0), float(scale), float(eps)),
+            (dy2, in2, mag, nrm, dres2, dl2, dbd2, part_dm, part_db),
+            (M, N, rows_per_prog, dy2.stride(0), in2.stride(0), dres2.stride(0), dl2.stride(0), dbd2.stride(0)),
+            (float(scale), float(eps)),
             (bool(delta_form), write_dres, d_lora is not None, bool(need_dm), need_dbias, soft, prefetch,
              block_m, block_n),
             warps,
@@ -458,9 +457,10 @@ def compose_bwd(
             rb = min(64, _next_pow2(N))
             rp = min(32, _next_pow2(n_parts))
             _RED(
-                (triton.cdiv(N, rb),),
-                (part_dm, part_db, mag, nrm, dm if dm is not None else mag, d_bias if d_bias is not None else mag,
-                 n_parts, N, float(eps)),
+                (_cdiv(N, rb),),
+                (part_dm, part_db, mag, nrm, dm if dm is not None else mag, d_bias if d_bias is not None else mag),
+                (n_parts, N),
+                (float(eps),),
                 (bool(need_dm), need_dbias, soft, rp, rb),
                 4,
             )

@@ -151,6 +151,13 @@ if AVAILABLE:
         tl.store(norm_ptr + offs_o, tl.sqrt_rn(tl.maximum(sq, 0.0)), mask=omask)
 
 
+if AVAILABLE:
+    from . import _launch
+
+    _GRAM = _launch.Launcher(_norm_gram_kernel)
+    _COMBINE = _launch.Launcher(_norm_combine_kernel)
+
+
 def supports(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> bool:
     """2-D CUDA operands of fp32/bf16/fp16 with matching shapes (fp64 and anything else: eager)."""
     if not AVAILABLE:
@@ -220,13 +227,15 @@ def _gram(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, base: Optional[to
         mode = _MODE_FP32
     prec = "tf32x3"
     block_o, block_r, block_k, warps, stages = _gram_config(rows, R, x.device, mode, gram_of_a)
-    grid = (triton.cdiv(rows, block_o) * triton.cdiv(R, block_r),)
-    _norm_gram_kernel[grid](
-        x, a, out, base if base is not None else out,
-        rows, R, K,
-        x.stride(0), x.stride(1), a.stride(0), a.stride(1), out.stride(0),
-        NEED_BASE=base is not None, MODE=mode, PREC=prec, UPCAST=upcast,
-        BLOCK_O=block_o, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+    grid = (-(-rows // block_o) * -(-R // block_r),)
+    _GRAM(
+        grid,
+        (x, a, out, base if base is not None else out),
+        (rows, R, K, x.stride(0), x.stride(1), a.stride(0), a.stride(1), out.stride(0)),
+        (),
+        (base is not None, mode, prec, upcast, block_o, block_r, block_k),
+        warps,
+        stages,
     )
 
 
@@ -248,7 +257,7 @@ def factored_norm_triton(
     r = lora_A.shape[0]
     dev = weight.device
     upcast = not weight.is_cuda  # CPU tensors run only under the Triton interpreter
-    with torch.no_grad(), (torch.cuda.device(dev) if weight.is_cuda else _nullctx()):
+    with torch.no_grad(), _launch.device_ctx(weight):
         W, A, B = weight.detach(), lora_A.detach(), lora_B.detach()
         U = torch.empty((d_out, r), dtype=torch.float32, device=dev)
         G = torch.empty((r, r), dtype=torch.float32, device=dev)
@@ -263,19 +272,14 @@ def factored_norm_triton(
         block_r = min(64, max(16, _next_pow2(r)))
         block_o = 64 if d_out >= 64 * _num_sms(dev) else 32
         s = float(scale)
-        _norm_combine_kernel[(triton.cdiv(d_out, block_o),)](
-            U, G, B, base, norm,
-            d_out, r,
-            B.stride(0), B.stride(1),
-            2.0 * s, s * s,
-            PREC="tf32x3", BLOCK_O=block_o, BLOCK_R=block_r, num_warps=4,
+        _COMBINE(
+            (-(-d_out // block_o),),
+            (U, G, B, base, norm),
+            (d_out, r, B.stride(0), B.stride(1)),
+            (2.0 * s, s * s),
+            ("tf32x3", block_o, block_r),
+            4,
         )
     return norm, base
 
 
-class _nullctx:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
