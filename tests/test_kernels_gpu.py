@@ -22,6 +22,8 @@ from fastdora.kernels import norm as kn  # noqa: E402
 from fastdora.ops import compose as oc  # noqa: E402
 from fastdora.ops import norm as on  # noqa: E402
 
+from .rounding import assert_one_rounding, ref_compose64  # noqa: E402
+
 DEV = "cuda"
 DTYPES = {
     "fp32": (torch.float32, torch.float32, torch.float32),
@@ -100,22 +102,23 @@ def test_compose_matches_eager_and_fp64(shape, dname, delta, bias):
 
 
 def test_strided_layouts():
-    big = torch.randn(64, 40, 300, device=DEV, dtype=torch.bfloat16)
-    result = big[:, :, 7:207]  # strided rows, unit last dim
-    lora = torch.randn(64, 200, 40, device=DEV, dtype=torch.bfloat16).transpose(1, 2)  # copied
-    mag, nrm = torch.rand(200, device=DEV) + 0.5, torch.rand(200, device=DEV) + 0.5
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    big = torch.randn(64, 40, 300, device=DEV, dtype=torch.bfloat16, generator=gen)
+    result = big[:, :, 7:207]  # strided rows, unit last dim, 14-byte offset (not 16-byte aligned)
+    lora = torch.randn(64, 200, 40, device=DEV, dtype=torch.bfloat16, generator=gen).transpose(1, 2)  # copied
+    mag = torch.rand(200, device=DEV, generator=gen) + 0.5
+    nrm = torch.rand(200, device=DEV, generator=gen) + 0.5
     yk, ik = kc.TRITON.compose_fwd(result, lora, mag, nrm, SCALE, 1e-6, None, None, torch.bfloat16, True)
-    ye, ie = oc.compose_fwd_eager(result, lora, mag, nrm, SCALE, 1e-6, None, None, torch.bfloat16, True)
-    torch.testing.assert_close(yk, ye, rtol=2 ** -6, atol=2e-2)
-    dy = torch.randn(64, 200, 40, device=DEV, dtype=torch.bfloat16).transpose(1, 2)
+    y64, i64, ty, ti, g = ref_compose64(result, lora, mag, nrm, SCALE, 1e-6)
+    assert_one_rounding(yk, y64, ty, "y")
+    assert_one_rounding(ik, i64, ti, "inner")
+    dy = torch.randn(64, 200, 40, device=DEV, dtype=torch.bfloat16, generator=gen).transpose(1, 2)
     gk = kc.TRITON.compose_bwd(dy, mag, nrm, SCALE, 1e-6, ik, False, torch.bfloat16, torch.bfloat16, None, True,
                                False)
-    # same saved inner for both (the kernel's inner may differ from eager's by one bf16 rounding: FMA)
-    ge = oc.compose_bwd_eager(dy, mag, nrm, SCALE, 1e-6, ik, False, torch.bfloat16, torch.bfloat16, None, True,
-                              False)
-    for a, b in zip(gk[:2], ge[:2]):
-        torch.testing.assert_close(a, b, rtol=2 ** -6, atol=2e-2)
-    dm_ref = (dy.double() * ik.double()).sum(dim=(0, 1)) / nrm.double()
+    d64 = dy.double()
+    assert_one_rounding(gk[0], g * d64, (g * d64).abs(), "d_result")
+    assert_one_rounding(gk[1], g * SCALE * d64, (g * SCALE * d64).abs(), "d_lora")
+    dm_ref = (d64 * ik.double()).sum(dim=(0, 1)) / nrm.double()
     assert _rel(gk[3], dm_ref) < 1e-5
 
 
@@ -128,22 +131,22 @@ def test_more_than_2pow31_elements():
     g = torch.Generator(device=DEV).manual_seed(0)
     result = torch.randn(M, N, device=DEV, generator=g, dtype=torch.bfloat16)
     lora = torch.randn(M, N, device=DEV, generator=g, dtype=torch.bfloat16)
-    mag = torch.rand(N, device=DEV) + 0.5
-    nrm = torch.rand(N, device=DEV) + 0.5
+    mag = torch.rand(N, device=DEV, generator=g) + 0.5
+    nrm = torch.rand(N, device=DEV, generator=g) + 0.5
     y, inner = kc.TRITON.compose_fwd(result, lora, mag, nrm, SCALE, 1e-6, None, None, torch.bfloat16, True)
     for sl in (slice(0, 64), slice(M - 64, M)):  # the tail lies past 2**31 elements
-        ye, ie = oc.compose_fwd_eager(result[sl], lora[sl], mag, nrm, SCALE, 1e-6, None, None, torch.bfloat16, True)
-        torch.testing.assert_close(y[sl], ye, rtol=2 ** -6, atol=2e-2)
-        torch.testing.assert_close(inner[sl], ie, rtol=2 ** -6, atol=2e-2)
+        y64, i64, ty, ti, _ = ref_compose64(result[sl], lora[sl], mag, nrm, SCALE, 1e-6)
+        assert_one_rounding(y[sl], y64, ty, "y")
+        assert_one_rounding(inner[sl], i64, ti, "inner")
     del result
     dy = lora  # reuse the memory: any values do
     d_res, d_lora, _, dm, _ = kc.TRITON.compose_bwd(dy, mag, nrm, SCALE, 1e-6, inner, False, torch.bfloat16,
                                                     torch.bfloat16, None, True, False)
+    gcol = mag.double() / nrm.double()
     for sl in (slice(0, 64), slice(M - 64, M)):
-        de = oc.compose_bwd_eager(dy[sl], mag, nrm, SCALE, 1e-6, inner[sl], False, torch.bfloat16,
-                                  torch.bfloat16, None, False, False)
-        torch.testing.assert_close(d_res[sl], de[0], rtol=2 ** -6, atol=2e-2)
-        torch.testing.assert_close(d_lora[sl], de[1], rtol=2 ** -6, atol=2e-2)
+        d64 = dy[sl].double()
+        assert_one_rounding(d_res[sl], gcol * d64, (gcol * d64).abs(), "d_result")
+        assert_one_rounding(d_lora[sl], gcol * SCALE * d64, (gcol * SCALE * d64).abs(), "d_lora")
     del d_res, d_lora
     dm_ref = torch.zeros(N, device=DEV, dtype=torch.float64)
     for s0 in range(0, M, 65536):

@@ -192,6 +192,28 @@ else:
                     _close_to_eager(a, b, torch.float32, "grad strided")
             _close_reduction(gk[3], ge[3], "dm strided")
 
+    @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+    def test_one_rounding_contract_strided(dt):
+        # the kernels' precision contract against fp64 (tests/rounding.py), strided unaligned rows, cancellation-prone
+        # data (|g| up to 3, terms of both signs), forward and backward
+        from tests.rounding import assert_one_rounding, ref_compose64
+
+        g = torch.Generator().manual_seed(5)
+        big = (torch.randn(6, 11, 60, generator=g) * 4).to(dt)
+        result = big[:, :, 7:40]  # 14-byte offset in bf16/fp16, row stride 60
+        lora = (torch.randn(6, 33, 11, generator=g) * 4).to(dt).transpose(1, 2)
+        mag, nrm = torch.rand(33, generator=g) * 1.5 + 0.5, torch.rand(33, generator=g) + 0.5
+        eps = 1e-12 if dt == torch.float32 else 1e-6
+        yk, ik = kc.TRITON.compose_fwd(result, lora, mag, nrm, SCALE, eps, None, None, dt, True)
+        y64, i64, ty, ti, gcol = ref_compose64(result, lora, mag, nrm, SCALE, eps)
+        assert_one_rounding(yk, y64, ty, "y")
+        assert_one_rounding(ik, i64, ti, "inner")
+        dy = (torch.randn(6, 33, 11, generator=g) * 4).to(dt).transpose(1, 2)
+        gk = kc.TRITON.compose_bwd(dy, mag, nrm, SCALE, eps, ik, False, dt, dt, None, True, False)
+        d64 = dy.double()
+        assert_one_rounding(gk[0], gcol * d64, (gcol * d64).abs(), "d_result")
+        assert_one_rounding(gk[1], gcol * SCALE * d64, (gcol * SCALE * d64).abs(), "d_lora")
+
     @pytest.mark.parametrize("prefetch", [False, True], ids=["plain_loop", "prefetch"])
     def test_multi_tile_reduction_and_determinism(monkeypatch, prefetch):
         # small tiles: several row tiles per program and several partials in the second stage
