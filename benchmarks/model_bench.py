@@ -624,11 +624,10 @@ def plot(doc, png):
 def report(path, outdir=None):
     """Tables + plot from one model_bench.json, or from several (``a.json,b.json``: e.g. one parent per GPU),
     merged into ``outdir/model_bench.json``."""
+    from _bench_io import load_docs
+
     paths = path.split(",")
-    docs = []
-    for pth in paths:
-        with open(pth) as f:
-            docs.append(json.load(f))
+    docs = load_docs(path)
     doc = docs[0]
     if len(docs) > 1:
         doc = dict(meta=dict(docs[0].get("meta", {}), merged_from=[d.get("meta") for d in docs],

@@ -289,11 +289,10 @@ def summarize(doc):
 def report(path, outdir=None):
     """Markdown + plot from one train_equivalence.json, or from several (``a.json,b.json``: e.g. one parent per GPU,
     one seed each), merged into ``outdir/train_equivalence.json``."""
+    from _bench_io import load_docs
+
     paths = path.split(",")
-    docs = []
-    for pth in paths:
-        with open(pth) as f:
-            docs.append(json.load(f))
+    docs = load_docs(path)
     doc = docs[0]
     outdir = outdir or os.path.dirname(os.path.abspath(paths[0]))
     if len(docs) > 1:
