@@ -1,11 +1,14 @@
 """One training run (its own process) for the HF Trainer / TRL end-to-end tests.
 
 usage: python hf_job.py --trainer {hf,sft,dpo} --model DIR --data FILE --out DIR [--fastdora] [--steps N]
+       python -m torch.distributed.run --nproc_per_node 2 hf_job.py --trainer hf --fsdp2 ...   (HF Trainer + FSDP2)
 
 DoRA (r=8) on all Llama linear layers (+ the input embedding for --trainer hf), gradient checkpointing, fp32 on CPU
 (or the first GPU when present), fixed seed. Without --fastdora, fastdora is never imported in this process.
 Writes OUT/losses.json, OUT/adapter/ (save_model), OUT/probe_logits.pt and OUT/probe_meta.json (probe.py) and, with
---fastdora, OUT/fastdora_report.json (written by the plugin).
+--fastdora, OUT/fastdora_report.json (written by the plugin). With --fsdp2 (HF Trainer sharded by accelerate's FSDP2,
+one unit per decoder layer, linear targets only): OUT/losses.json (rank 0) and the plugin's report; no probe forward
+and no adapter save (both would need every rank).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--reentrant", action="store_true", help="reentrant gradient checkpointing (HF's default)")
     p.add_argument("--fastdora-options", default="{}", help="JSON dict of FastDoraCallback options")
+    p.add_argument("--fsdp2", action="store_true", help="--trainer hf under FSDP2 (launch with torchrun)")
     a = p.parse_args()
 
     import torch
@@ -43,7 +47,7 @@ def main() -> None:
     set_seed(0)
     tok = AutoTokenizer.from_pretrained(a.model)
     model = AutoModelForCausalLM.from_pretrained(a.model, torch_dtype=torch.float32)
-    targets = TARGETS + (["embed_tokens"] if a.trainer == "hf" else [])
+    targets = TARGETS + (["embed_tokens"] if a.trainer == "hf" and not a.fsdp2 else [])
     lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=targets, use_dora=True,
                       task_type="CAUSAL_LM")
     ds = load_dataset("json", data_files=a.data, split="train")
@@ -54,7 +58,12 @@ def main() -> None:
         gradient_checkpointing_kwargs={"use_reentrant": a.reentrant}, dataloader_num_workers=0, bf16=False, fp16=False,
         lr_scheduler_type="constant", warmup_steps=0,
     )
-    callbacks = [ProbeCallback(a.model)]
+    if a.fsdp2:
+        assert a.trainer == "hf", "--fsdp2 is for --trainer hf"
+        common.update(fsdp="full_shard auto_wrap", fsdp_config={
+            "version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+    callbacks = [] if a.fsdp2 else [ProbeCallback(a.model)]
     if a.fastdora:
         from fastdora.plugins import FastDoraCallback  # the plugin under test
 
@@ -81,11 +90,13 @@ def main() -> None:
                              args=DPOConfig(**common, max_length=64), callbacks=callbacks)
 
     trainer.train()
-    trainer.save_model(os.path.join(a.out, "adapter"))
+    if not a.fsdp2:
+        trainer.save_model(os.path.join(a.out, "adapter"))
     losses = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
     state = fastdora_state(trainer.model)
-    with open(os.path.join(a.out, "losses.json"), "w", encoding="utf-8") as f:
-        json.dump({"losses": losses, "final_state": state}, f)
+    if trainer.args.process_index == 0:
+        with open(os.path.join(a.out, "losses.json"), "w", encoding="utf-8") as f:
+            json.dump({"losses": losses, "final_state": state, "world_size": trainer.args.world_size}, f)
     print(json.dumps({"losses": losses, **state}))
 
 

@@ -1,7 +1,7 @@
 """End-to-end: HF ``Trainer`` and TRL (``SFTTrainer(peft_config=...)``, ``DPOTrainer`` with a PeftModel) with
 ``fastdora.plugins.FastDoraCallback``. Run inside the hf venv (transformers + trl + peft + torch).
 
-usage: python test_hf_trl.py WORK_DIR [--only hf,sft,dpo] [--plugin-options JSON]
+usage: python test_hf_trl.py WORK_DIR [--only hf,sft,dpo,fsdp2] [--plugin-options JSON]
 
 For each trainer: one run with the callback, one without (same seed, separate processes); asserts
 - fastdora's path ran in the training process (fastdora_report.json written by the plugin, counter > 0; the
@@ -10,6 +10,9 @@ For each trainer: one run with the callback, one without (same seed, separate pr
 - the saved adapter loads in stock PEFT in a fresh process (fastdora not imported) and gives the trained model's
   logits within LOGITS_ATOL,
 - without the callback nothing of fastdora runs (no report, fastdora never imported, no converted layer).
+``fsdp2``: the HF Trainer run under torchrun with 2 processes (gloo on CPU) and accelerate's FSDP2 (one unit per
+decoder layer), with and without the callback: fastdora's path ran, the norm was computed exactly once per layer per
+optimizer step, the loss curves agree within LOSS_ATOL, and nothing of fastdora ran without the callback.
 """
 
 from __future__ import annotations
@@ -66,15 +69,43 @@ def one(trainer: str, work: str, paths: dict, plugin_options: str) -> dict:
             "seconds": {k: round(v, 1) for k, v in times.items()}}
 
 
+def one_fsdp2(work: str, paths: dict, plugin_options: str, steps: int = 4) -> dict:
+    what = "HF Trainer + FSDP2 (2 processes)"
+    out, times = {}, {}
+    for mode in ("fastdora", "stock"):
+        d = os.path.join(work, f"fsdp2_{mode}")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
+               os.path.join(HERE, "hf_job.py"), "--trainer", "hf", "--fsdp2", "--model", paths["model"],
+               "--data", paths["text"], "--out", d, "--steps", str(steps)]
+        if mode == "fastdora":
+            cmd += ["--fastdora", "--fastdora-options", plugin_options]
+        times[mode] = run(cmd, log_path=os.path.join(work, f"fsdp2_{mode}.log"))
+        out[mode] = d
+    rep = check_report(out["fastdora"], what)
+    check_no_report(out["stock"], what + " (no callback)")
+    fast = json.load(open(os.path.join(out["fastdora"], "losses.json")))
+    stock = json.load(open(os.path.join(out["stock"], "losses.json")))
+    assert fast["world_size"] == 2 and stock["world_size"] == 2, (fast["world_size"], stock["world_size"])
+    assert not stock["final_state"]["fastdora_imported"], f"{what}: fastdora imported without the callback"
+    counter = rep["active_path_counter"]
+    computed = counter.get("norm:computed", 0) + counter.get("norm:computed_base_cached", 0)
+    assert computed == rep["fastdora_layers"] * steps, \
+        f"{what}: norm computed {computed} times for {rep['fastdora_layers']} layers x {steps} steps: {counter}"
+    diff = check_losses(fast["losses"], stock["losses"], what)
+    return {"trainer": what, "loss_max_abs_diff": diff, "path_counter": counter,
+            "fastdora_layers": rep["fastdora_layers"], "seconds": {k: round(v, 1) for k, v in times.items()}}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("work")
-    p.add_argument("--only", default="hf,sft,dpo")
+    p.add_argument("--only", default="hf,sft,dpo,fsdp2")
     p.add_argument("--plugin-options", default="{}", help="JSON dict of fastdora options for the plugin run")
     a = p.parse_args()
     os.makedirs(a.work, exist_ok=True)
     paths = tiny(a.work)
-    results = [one(t, a.work, paths, a.plugin_options) for t in a.only.split(",")]
+    results = [one_fsdp2(a.work, paths, a.plugin_options) if t == "fsdp2" else one(t, a.work, paths, a.plugin_options)
+               for t in a.only.split(",")]
     write_summary(a.work, "hf_trl", {"results": results})
     log("PASS: " + ", ".join(r["trainer"] for r in results))
 
