@@ -373,3 +373,33 @@ def test_invalidate_norm_cache_after_data_write():
             _lin(m).lora_B["default"].weight.data.mul_(2.0)
         fastdora.invalidate_norm_cache()
         assert_close(fast(x), ref(x), F64, "after .data write + invalidate")
+
+
+@pytest.mark.parametrize("mag_grad", [True, False], ids=["magnitude_trained", "magnitude_frozen"])
+def test_composition_saves_only_inner_for_backward(mag_grad):
+    # Under gradient checkpointing every saved tensor goes through pack/unpack hooks and recomputation: the
+    # composition node saves the activation-sized `inner` only when the magnitude trains, and never the [d_out]
+    # magnitude / norm vectors (kept as plain attributes); gradients still match the fp64 reference.
+    from fastdora.ops.compose import dora_compose
+
+    g = torch.Generator().manual_seed(3)
+    res = torch.randn(5, 7, generator=g, dtype=torch.float64, requires_grad=True)
+    lora = torch.randn(5, 7, generator=g, dtype=torch.float64, requires_grad=True)
+    mag = (torch.rand(7, generator=g, dtype=torch.float64) + 0.5).requires_grad_(mag_grad)
+    norm = torch.rand(7, generator=g, dtype=torch.float64) + 0.5
+    packed = []
+
+    def pack(t):
+        packed.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = dora_compose(res, lora, mag, norm, 0.7, 1e-12, kernels="eager")
+    assert packed == ([(5, 7)] if mag_grad else []), packed
+    y.pow(2).sum().backward()
+    gvec = mag.detach() / norm
+    dy = 2 * y.detach()
+    torch.testing.assert_close(res.grad, gvec * dy)
+    torch.testing.assert_close(lora.grad, gvec * 0.7 * dy)
+    if mag_grad:
+        torch.testing.assert_close(mag.grad, (dy * (res.detach() + 0.7 * lora.detach())).sum(0) / norm)
