@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+import traceback
 
 
 def load_docs(paths: str) -> list:
@@ -12,3 +14,18 @@ def load_docs(paths: str) -> list:
         with open(pth) as f:
             docs.append(json.load(f))
     return docs
+
+
+def dispatch(a, report, run_worker, run_parent) -> None:
+    """The scripts' common entry: ``--report`` (tables from saved results), ``--worker`` (one measured process: a
+    traceback and exit code 2 on failure, which the parent reports), else the parent."""
+    if a.report:
+        report(a.report, a.report_out)
+    elif a.worker:
+        try:
+            run_worker(a)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            sys.exit(2)
+    else:
+        run_parent(a)

@@ -37,7 +37,6 @@ import statistics
 import subprocess
 import sys
 import time
-import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -698,17 +697,9 @@ def main():
         a.seq, a.loss_tokens, a.ga = min(a.seq, 128), min(a.loss_tokens, 32), min(a.ga, 2)
         a.layers = 2
         a.repeats, a.inf_repeats = min(a.repeats, 2), min(a.inf_repeats, 2)
-    if a.report:
-        report(a.report, a.report_out)
-        return
-    if a.worker:
-        try:
-            run_worker(a)
-        except Exception:  # noqa: BLE001
-            traceback.print_exc()
-            sys.exit(2)
-        return
-    run_parent(a)
+    from _bench_io import dispatch
+
+    dispatch(a, report, run_worker, run_parent)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ import subprocess
 import sys
 import sysconfig
 import time
-import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -429,17 +428,9 @@ def main():
         a.steps, a.batch, a.seq, a.layers, a.hidden, a.intermediate = 20, 2, 32, 2, 64, 128
         a.heads, a.kv_heads, a.rank, a.eval_batches, a.eval_every = 4, 2, 8, 2, 10
         a.warmup_steps, a.max_corpus_bytes, a.parallel = 5, 2_000_000, 2
-    if a.report:
-        report(a.report, a.report_out)
-        return
-    if a.worker:
-        try:
-            run_worker(a)
-        except Exception:  # noqa: BLE001
-            traceback.print_exc()
-            sys.exit(2)
-        return
-    run_parent(a)
+    from _bench_io import dispatch
+
+    dispatch(a, report, run_worker, run_parent)
 
 
 if __name__ == "__main__":

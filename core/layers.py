@@ -177,6 +177,23 @@ class _FastDoraMixin:
         cache[adapter_name] = (key, norm)
         return norm
 
+    def _fd_compose(self, result, lora, norm, scaling, eps, out_dtype, bias=None, base_delta=None, feature_dim=-1):
+        """The fused final layer output (every layer kind): ``dora_compose`` with this module's magnitude and options."""
+        return dora_compose(
+            result,
+            lora,
+            self.weight,
+            norm,
+            scaling,
+            eps,
+            bias=bias,
+            base_delta=base_delta,
+            out_dtype=out_dtype,
+            feature_dim=feature_dim,
+            kernels=self._fd_options().kernels,
+            kind=self._fastdora_kind,
+        )
+
     def _fd_output(
         self, lora, norm, eps, scaling, base_layer, base_result, base_delta, fastdora_result, out_dtype, feature_dim
     ):
@@ -184,20 +201,7 @@ class _FastDoraMixin:
         PEFT-style call: PEFT's delta ``(g - 1) * base_nobias + g * s * lora``."""
         if fastdora_result is not None:
             bias = getattr(base_layer, "bias", None) if base_delta is None else None
-            return dora_compose(
-                fastdora_result,
-                lora,
-                self.weight,
-                norm,
-                scaling,
-                eps,
-                bias=bias,
-                base_delta=base_delta,
-                out_dtype=out_dtype,
-                feature_dim=feature_dim,
-                kernels=self._fd_options().kernels,
-                kind=self._fastdora_kind,
-            )
+            return self._fd_compose(fastdora_result, lora, norm, scaling, eps, out_dtype, bias, base_delta, feature_dim)
         record(f"{self._fastdora_kind}:peft_style")
         if base_delta is None:
             bias = getattr(base_layer, "bias", None)
@@ -288,17 +292,7 @@ class FastDoraEmbeddingLayer(_FastDoraMixin, PEFT_CLASSES["DoraEmbeddingLayer"])
         if fastdora_result is not None:
             if fastdora_embed_scale is not None:
                 lora = lora * fastdora_embed_scale.to(lora.dtype)
-            return dora_compose(
-                fastdora_result,
-                lora,
-                self.weight,
-                norm,
-                scaling,
-                eps,
-                out_dtype=fastdora_out_dtype,
-                kernels=self._fd_options().kernels,
-                kind=self._fastdora_kind,
-            )
+            return self._fd_compose(fastdora_result, lora, norm, scaling, eps, fastdora_out_dtype)
         record(f"{self._fastdora_kind}:peft_style")
         acc = acc_dtype_for(lora, self.weight)
         g = _peft_style_g(self.weight, norm, eps, acc)

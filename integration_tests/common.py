@@ -146,6 +146,14 @@ def make_init_adapter(model_dir: str, out_dir: str, targets: list, seed: int = 0
     return out_dir
 
 
+def write_config(out: str, lines: list) -> str:
+    """Write a generated training config (one YAML line per item) to ``out + ".yaml"``; returns its path."""
+    path = out + ".yaml"
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
 def write_summary(work: str, name: str, summary: dict) -> None:
     path = os.path.join(work, f"summary_{name}.json")
     with open(path, "w", encoding="utf-8") as f:
@@ -156,5 +164,5 @@ def write_summary(work: str, name: str, summary: dict) -> None:
 __all__ = [
     "HERE", "REPO", "PROBE_TEXT", "LOSS_ATOL", "LOGITS_ATOL", "REPORT_FILE", "PROBE_FILE", "log", "run", "tiny",
     "losses_from_state", "find_trainer_state", "check_losses", "check_report", "check_no_report", "stock_logits",
-    "compare_logits", "write_summary", "make_init_adapter",
+    "compare_logits", "write_config", "write_summary", "make_init_adapter",
 ]

@@ -23,7 +23,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
     HERE, PROBE_FILE, check_losses, check_no_report, check_report, compare_logits, find_trainer_state, log,
-    losses_from_state, make_init_adapter, run, stock_logits, tiny, write_summary,
+    losses_from_state, make_init_adapter, run, stock_logits, tiny, write_config, write_summary,
 )
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -79,10 +79,7 @@ def config(paths: dict, out: str, prepared: str, fastdora: bool, options: dict) 
         lines += [f"{OPTION_KEYS[k]}: {json.dumps(v)}" for k, v in options.items()]
     else:
         lines += [f"{k}: false" for k in KERNEL_KEYS]
-    path = out + ".yaml"
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("\n".join(lines) + "\n")
-    return path
+    return write_config(out, lines)
 
 
 def main() -> None:

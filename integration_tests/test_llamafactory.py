@@ -24,7 +24,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
     HERE, PROBE_FILE, check_losses, check_no_report, check_report, compare_logits, find_trainer_state, log,
-    losses_from_state, run, stock_logits, tiny, write_summary,
+    losses_from_state, run, stock_logits, tiny, write_config, write_summary,
 )
 
 OPTION_KEYS = {"kernels": "fast_dora_kernels", "legacy_embedding_compose": "fast_dora_legacy_embedding_compose",
@@ -66,10 +66,7 @@ def config(paths: dict, out: str, extra: list) -> str:
         "dataloader_num_workers: 0",
         "ddp_timeout: 600",
     ] + extra
-    path = out + ".yaml"
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("\n".join(lines) + "\n")
-    return path
+    return write_config(out, lines)
 
 
 def main() -> None:
