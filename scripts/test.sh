@@ -19,6 +19,16 @@ mkdir -p "$WORK"
 t0=$(date +%s)
 say() { printf '\n==== [%4ss] %s\n' "$(( $(date +%s) - t0 ))" "$*"; }
 
+# Disk preflight: a full run builds ~9.5 GB of virtual environments under $WORK (test venv ~2.7 GB, framework
+# venvs ~6.7 GB); a full disk otherwise shows up minutes later as a pip OSError in the middle of the suite.
+need_gb=${FASTDORA_TEST_MIN_FREE_GB:-$([ "${FASTDORA_TEST_QUICK:-0}" = 1 ] && echo 4 || echo 12)}
+free_gb=$(( $(df -Pk "$WORK" | awk 'NR==2 {print $4}') / 1048576 ))
+if [ "$free_gb" -lt "$need_gb" ]; then
+  echo "fastdora tests: only ${free_gb} GB free under $WORK; the run needs about ${need_gb} GB" \
+       "(venvs are cached there; free space or set FASTDORA_WORK to a larger disk)" >&2
+  exit 1
+fi
+
 make_venv() {  # make_venv DIR PEFT_VERSION TRANSFORMERS_SPEC EXTRA...
   local dir=$1 peft=$2 tf=$3; shift 3
   if [ ! -x "$dir/bin/python" ] || [ ! -f "$dir/.ok" ]; then
