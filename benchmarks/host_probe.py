@@ -9,7 +9,10 @@ gradient iterations, records
   - ``gpu_ms``: CUDA-event time between the micro-batch's first and last enqueued work
   - ``wall_ms`` per iteration (synchronised), Python GC pauses, Triton JIT compilations during the timed iterations,
   - synchronising calls (``torch.cuda.set_sync_debug_mode``) with the stack that made them,
-  - a cProfile (tottime) of one whole iteration.
+  - a cProfile (tottime) of one whole iteration,
+  - (CUDA) a torch.profiler trace of one whole iteration: device time per kernel and per group (fastdora's kernels,
+    GEMMs, attention, reductions, elementwise), and the GPU's busy time against the iteration's span, which
+    separates "more GPU work" from "GPU waiting for the host".
 
 If ``host_ms`` ~ ``wall_ms`` the iteration is host-bound; compilations or syncs in the timed region are bugs.
 
@@ -168,8 +171,76 @@ def worker(a):
     s = io.StringIO()
     pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(35)
     rec["cprofile_tottime"] = s.getvalue()
+    if cuda:  # device kernel time of one whole iteration: is the GPU work itself larger, or is the GPU idle?
+        rec["kernel_profile"] = kernel_profile(lambda: ([mbatch(ids, a.ga) for ids in micro], step()), sync)
     with open(a.result, "w") as f:
         json.dump(rec, f, indent=1)
+
+
+_KERNEL_GROUPS = (  # (group, substrings of the kernel name), first match wins
+    ("fastdora", ("_dora_fwd_kernel", "_dora_bwd_kernel", "_dora_reduce_kernel", "_norm_gram_kernel",
+                  "_norm_combine_kernel")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "sm80_xmma", "cublas")),
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("reduce", ("reduce", "norm")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+)
+
+
+def _group(name: str) -> str:
+    low = name.lower()
+    for g, keys in _KERNEL_GROUPS:
+        if any(k in low for k in keys):
+            return g
+    return "other"
+
+
+def kernel_profile(run, sync, top=25):
+    """One call of ``run`` under torch.profiler: per-kernel device time (count, total), per-group sums, the GPU's busy
+    time (union of kernel intervals) against the span from first kernel start to last kernel end."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        sync()
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start]
+    return summarize_kernels(kernels, top)
+
+
+def summarize_kernels(kernels, top=25):
+    """``kernels``: (name, start_us, end_us) per kernel execution."""
+    if not kernels:
+        return dict(error="no CUDA kernel events recorded")
+    per, groups = {}, {}
+    spans = sorted((s0, e0) for _, s0, e0 in kernels)
+    busy, cur_s, cur_e = 0.0, spans[0][0], spans[0][1]
+    for s0, e0 in spans[1:]:
+        if s0 > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = s0, e0
+        else:
+            cur_e = max(cur_e, e0)
+    busy += cur_e - cur_s
+    for name, s0, e0 in kernels:
+        c = per.setdefault(name, [0, 0.0])
+        c[0] += 1
+        c[1] += e0 - s0
+        g = _group(name)
+        groups[g] = groups.get(g, 0.0) + (e0 - s0)
+    total = sum(v[1] for v in per.values())
+    span = spans[-1][1] - spans[0][0]
+    return dict(
+        kernel_ms_total=total / 1e3,
+        gpu_busy_ms=busy / 1e3,
+        span_ms=span / 1e3,
+        idle_fraction=1.0 - busy / span if span else None,
+        n_kernels=len(kernels),
+        groups_ms={k: v / 1e3 for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
+        top=[dict(name=n[:160], count=c, ms=us / 1e3)
+             for n, (c, us) in sorted(per.items(), key=lambda kv: -kv[1][1])[:top]],
+    )
 
 
 def main():
@@ -228,6 +299,11 @@ def main():
             print("   compile:", c)
         for s_ in r["syncs"][:6]:
             print("   sync:", s_["msg"][:100], "\n      " + "\n      ".join(s_["stack"][-6:]))
+        kp = r.get("kernel_profile")
+        if kp and "error" not in kp:
+            print(f"   one iteration on the GPU: kernels {kp['kernel_ms_total']:.1f} ms ({kp['n_kernels']} launches), "
+                  f"busy {kp['gpu_busy_ms']:.1f} of {kp['span_ms']:.1f} ms (idle {100 * kp['idle_fraction']:.1f}%); "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in kp["groups_ms"].items()))
         print("\n".join(r["cprofile_tottime"].splitlines()[:45]))
     with open(os.path.join(a.out, "host_probe.json"), "w") as f:
         json.dump(results, f, indent=1)

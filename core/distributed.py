@@ -41,7 +41,16 @@ from typing import Optional
 import torch
 from torch import nn
 
-__all__ = ["active", "epoch", "invalidate", "unwrap", "tensor_key", "linear_norm_and_lora", "full_weight"]
+__all__ = [
+    "active",
+    "epoch",
+    "ensure_step_hook",
+    "invalidate",
+    "unwrap",
+    "tensor_key",
+    "linear_norm_and_lora",
+    "full_weight",
+]
 
 _EPOCH = 0  # bumped after every optimizer step / load_state_dict / invalidate()
 _LOAD_EPOCH = 0  # bumped on load_state_dict / invalidate() only (base-weight cache of frozen W)
@@ -69,12 +78,18 @@ def _after_load_state_dict(module, incompatible_keys) -> None:
     invalidate()
 
 
-def _ensure_hooks(mag: nn.Module) -> None:
+def ensure_step_hook() -> None:
+    """Register (once per process) the optimizer-step post-hook that bumps :func:`epoch`."""
     global _STEP_HOOK
     if _STEP_HOOK is None:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         _STEP_HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
+
+
+def _ensure_hooks(mag: nn.Module) -> None:
+    if _STEP_HOOK is None:
+        ensure_step_hook()
     if not mag.__dict__.get("_fastdora_load_hook"):
         mag.register_load_state_dict_post_hook(_after_load_state_dict)
         mag.__dict__["_fastdora_load_hook"] = True

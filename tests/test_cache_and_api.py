@@ -403,3 +403,112 @@ def test_composition_saves_only_inner_for_backward(mag_grad):
     torch.testing.assert_close(lora.grad, gvec * 0.7 * dy)
     if mag_grad:
         torch.testing.assert_close(mag.grad, (dy * (res.detach() + 0.7 * lora.detach())).sum(0) / norm)
+
+
+def _compose_case(dtype, form, feature_dim, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    shape = (3, 6, 4) if feature_dim == 1 else (6, 5, 9)
+    d = shape[feature_dim]
+
+    def act():
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype).requires_grad_(True)
+
+    res, lora = act(), act()
+    mag_dtype = F64 if dtype == F64 else torch.float32
+    mag = nn.Parameter(torch.rand(d, generator=g, dtype=torch.float64).add(0.5).to(mag_dtype))
+    norm = torch.rand(d, generator=g, dtype=torch.float64).add(0.5).to(mag.dtype)
+    kw = {"feature_dim": feature_dim, "kernels": "eager"}
+    if form == "bias":
+        kw["bias"] = torch.randn(d, generator=g, dtype=torch.float64).to(dtype)
+    if form == "delta":
+        kw["base_delta"] = act()
+    dy = torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+    return res, lora, mag, norm, kw, dy
+
+
+def _run_compose(res, lora, mag, norm, kw, dy):
+    from fastdora.ops.compose import dora_compose
+
+    for t in (res, lora, mag, kw.get("base_delta")):
+        if t is not None:
+            t.grad = None
+    y = dora_compose(res, lora, mag, norm, 0.75, 1e-6 if res.dtype in (torch.bfloat16, torch.float16) else 1e-12, **kw)
+    y.backward(dy)
+    grads = [t.grad.clone() for t in (res, lora, mag, kw.get("base_delta")) if t is not None]
+    return [y.detach().clone()] + grads
+
+
+def _aten_ops(fn):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return [e.name for e in prof.events()]
+
+
+@pytest.mark.parametrize("feature_dim", [-1, 1], ids=["last_dim", "channel_dim"])
+@pytest.mark.parametrize("form", ["plain", "bias", "delta"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, F64], ids=str)
+def test_eager_row_coefficients_cached_and_exact(dtype, form, feature_dim):
+    """The eager composition derives g, g - 1, g*s and 1/norm from (magnitude, norm) once and reuses them while both
+    are unchanged (every micro-batch and recomputation of a step): the reused values give bit-identical outputs and
+    gradients to a fresh computation, and the repeated call launches none of the per-row division kernels."""
+    res, lora, mag, norm, kw, dy = _compose_case(dtype, form, feature_dim)
+    first = _run_compose(res, lora, mag, norm, kw, dy)
+    ops = _aten_ops(lambda: _run_compose(res, lora, mag, norm, kw, dy))
+    second = _run_compose(res, lora, mag, norm, kw, dy)
+    fresh = _run_compose(res, lora, mag, norm.clone(), kw, dy)  # a new norm tensor: nothing cached on it yet
+    for a, b, c in zip(first, second, fresh):
+        assert torch.equal(a, c) and torch.equal(b, c)
+    assert "aten::div" not in ops and "aten::clamp_min" not in ops and "aten::reciprocal" not in ops, sorted(set(ops))
+    assert "aten::div" in _aten_ops(lambda: _run_compose(res, lora, mag, norm.clone(), kw, dy))
+
+
+def test_eager_row_coefficients_follow_magnitude_and_norm_changes():
+    """Every way the magnitude or the norm can change drops the cached coefficients: results always equal a fresh
+    computation (a norm tensor that carries no cache)."""
+    res, lora, mag, norm, kw, dy = _compose_case(torch.float32, "plain", -1)
+
+    def check(what):
+        got = _run_compose(res, lora, mag, norm, kw, dy)
+        want = _run_compose(res, lora, mag, norm.clone(), kw, dy)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), what
+
+    check("first call")
+    with torch.no_grad():
+        mag.mul_(1.5)  # in-place edit: version bump
+    check("in-place magnitude edit")
+    mag.data = mag.data * 0.5  # new storage
+    check("magnitude .data swap")
+    mag.data.add_(0.25)  # no version bump, same storage: the documented invalidate call
+    fastdora.invalidate_norm_cache()
+    check("magnitude .data write + invalidate_norm_cache()")
+
+    class DataWriteSGD(torch.optim.SGD):  # an optimizer that bumps no version counter (like fused / ZeRO updates)
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.data.sub_(group["lr"] * p.grad)
+
+    opt = DataWriteSGD([mag], lr=0.1)
+    _run_compose(res, lora, mag, norm, kw, dy)
+    v = mag._version
+    opt.step()
+    assert mag._version == v  # the update is invisible to the version counter
+    check("optimizer step through .data (epoch)")
+    with torch.no_grad():
+        norm.mul_(1.1)
+    check("in-place norm edit")
+    with torch.inference_mode():  # inference tensors have no version counter: computed, never cached
+        ri, li, mi, ni = (t.detach().clone() for t in (res, lora, mag, norm))
+        from fastdora.ops.compose import dora_compose
+
+        yi = dora_compose(ri, li, mi, ni, 0.75, 1e-12, kernels="eager")
+    torch.testing.assert_close(yi, (mag.detach() / norm) * (res.detach() + 0.75 * lora.detach()), rtol=1e-6, atol=1e-6)
+
+
+def test_magnitude_only_edit_after_cached_forward_matches_peft():
+    _outputs_equal_after(lambda m: _lin(m).lora_magnitude_vector["default"].weight.mul_(1.5), "in-place magnitude edit")

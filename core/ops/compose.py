@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from .. import dispatch
+from .. import distributed as _distributed
 from ..stats import path_key, record
 
 __all__ = ["dora_compose", "compose_fwd_eager", "compose_bwd_eager", "acc_dtype_for", "magnitude_scale"]
@@ -50,7 +51,74 @@ def magnitude_scale(magnitude: torch.Tensor, norm: torch.Tensor, eps: float, acc
     return magnitude.detach().reshape(-1).to(acc) / norm.detach().reshape(-1).to(acc).clamp_min(eps)
 
 
-def _view_shape(t: torch.Tensor, feature_dim: int) -> list[int]:
+class _RowCoefs:
+    """The per-row vectors the eager composition derives from ``(magnitude, norm)``: ``g``, ``g - 1``, ``g * s`` (in
+    the accumulation or the activation dtype) and ``1 / max(norm, eps)``, each computed on first use.
+
+    One instance lives on the ``norm`` tensor (``norm._fastdora_coefs``) while ``norm`` and ``magnitude`` are
+    unchanged: the cached norm is the same tensor for every micro-batch and every recomputation of one optimizer step,
+    so those calls launch none of the ~15 small per-row kernels (the values are the ones a fresh computation gives,
+    bit for bit). Any change of ``magnitude`` (identity, storage, version counter, the optimizer-step epoch) or of
+    ``norm`` (version counter), ``eps``, ``scale`` or the accumulation dtype starts a new instance.
+    """
+
+    __slots__ = ("key", "magnitude", "norm", "eps", "scale", "acc", "vecs")
+
+    def __init__(self, key, magnitude, norm, eps, scale, acc):
+        self.key, self.magnitude, self.norm = key, magnitude, norm
+        self.eps, self.scale, self.acc = eps, scale, acc
+        self.vecs = {}
+
+    def get(self, name: str, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        dtype = dtype or self.acc
+        v = self.vecs.get((name, dtype))
+        if v is None:
+            v = self.vecs[(name, dtype)] = self._make(name, dtype)
+        return v
+
+    def _make(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        if dtype != self.acc:
+            return self.get(name).to(dtype)
+        if name == "g":
+            return magnitude_scale(self.magnitude, self.norm, self.eps, self.acc)
+        if name == "gm1":
+            return self.get("g") - 1.0
+        if name == "gs":
+            return self.get("g") * self.scale
+        if name == "inv":
+            return 1.0 / self.norm.detach().reshape(-1).to(self.acc).clamp_min(self.eps)
+        raise KeyError(name)
+
+
+def _row_coefs(magnitude: torch.Tensor, norm: torch.Tensor, eps: float, scale: float, acc: torch.dtype) -> _RowCoefs:
+    """The cached :class:`_RowCoefs` of ``(magnitude, norm)`` (a fresh, uncached one where caching is not exact)."""
+    if torch.compiler.is_compiling():
+        return _RowCoefs(None, magnitude, norm, eps, scale, acc)
+    try:
+        key = (_distributed.epoch(), magnitude.data_ptr(), magnitude._version, norm._version, eps, scale, acc)
+    except (RuntimeError, NotImplementedError):  # inference tensors (no version counter), tensor subclasses
+        return _RowCoefs(None, magnitude, norm, eps, scale, acc)
+    coefs = getattr(norm, "_fastdora_coefs", None)
+    if coefs is not None and coefs.key == key and coefs.magnitude is magnitude:
+        return coefs
+    _distributed.ensure_step_hook()  # optimizer steps that bump no version counter (fused / ZeRO) bump the epoch
+    coefs = _RowCoefs(key, magnitude, norm, eps, scale, acc)
+    try:
+        norm._fastdora_coefs = coefs
+    except (AttributeError, RuntimeError):  # pragma: no cover - tensors that take no attributes
+        pass
+    return coefs
+
+
+def _rows(v: torch.Tensor, vs: Optional[list]) -> torch.Tensor:
+    """A per-row vector shaped to broadcast over the activations (1-D already does for a last feature dim)."""
+    return v if vs is None else v.view(vs)
+
+
+def _view_shape(t: torch.Tensor, feature_dim: int) -> Optional[list[int]]:
+    """Shape that puts a per-row vector on ``feature_dim``; None when that is the last dim (1-D broadcasts)."""
+    if feature_dim == -1 or feature_dim == t.dim() - 1:
+        return None
     shape = [1] * t.dim()
     shape[feature_dim] = -1
     return shape
@@ -78,22 +146,22 @@ def compose_fwd_eager(
     vs = _view_shape(result, feature_dim)
     if _half_path(result, lora, base_delta, out_dtype):
         return _compose_fwd_half(result, lora, magnitude, norm, scale, eps, bias, base_delta, save_inner, vs)
-    g = magnitude_scale(magnitude, norm, eps, acc).view(vs)
+    coefs = _row_coefs(magnitude, norm, eps, scale, acc)
     lora_acc = lora.to(acc)
     if base_delta is None:
         p = result.to(acc)
         if bias is not None:
-            b = bias.detach().to(acc).view(vs)
+            b = _rows(bias.detach().to(acc), vs)
             p = p - b
         inner = p + scale * lora_acc
-        y = g * inner
+        y = _rows(coefs.get("g"), vs) * inner
         if bias is not None:
             y = y + b
     else:
         d = base_delta.to(acc)
         inner = d + scale * lora_acc
         # (g - 1) kept explicit: no cancellation when g is close to 1
-        y = result.to(acc) + (g - 1.0) * d + (g * scale) * lora_acc
+        y = result.to(acc) + _rows(coefs.get("gm1"), vs) * d + _rows(coefs.get("gs"), vs) * lora_acc
     saved = inner.to(torch.promote_types(result.dtype, lora.dtype)) if save_inner else None
     return y.to(out_dtype), saved
 
@@ -116,19 +184,17 @@ def _half_path(result, lora, base_delta, out_dtype) -> bool:
 
 def _compose_fwd_half(result, lora, magnitude, norm, scale, eps, bias, base_delta, save_inner, vs):
     dt = result.dtype
-    g = magnitude_scale(magnitude, norm, eps, torch.float32)
-    gm1 = (g - 1.0).to(dt).view(vs)
-    gs = (g * scale).to(dt).view(vs)
+    coefs = _row_coefs(magnitude, norm, eps, scale, torch.float32)
     p = result if base_delta is None else base_delta
-    y = torch.addcmul(result, p, gm1)  # result + (g - 1) * p
-    y.addcmul_(lora, gs)  #          + g * s * lora
+    y = torch.addcmul(result, p, _rows(coefs.get("gm1", dt), vs))  # result + (g - 1) * p
+    y.addcmul_(lora, _rows(coefs.get("gs", dt), vs))  #              + g * s * lora
     inner = None
-    if base_delta is None and bias is not None:
-        y.sub_(((g - 1.0) * bias.detach().float()).to(dt).view(vs))  # p was result incl. bias: remove (g-1)*bias
+    if base_delta is None and bias is not None:  # p was result incl. bias: remove (g-1)*bias
+        y.sub_(_rows((coefs.get("gm1") * bias.detach().float()).to(dt), vs))
     if save_inner:
         inner = torch.add(p, lora, alpha=scale)
         if base_delta is None and bias is not None:
-            inner.sub_(bias.detach().to(dt).view(vs))
+            inner.sub_(_rows(bias.detach().to(dt), vs))
     return y, inner
 
 
@@ -150,13 +216,12 @@ def compose_bwd_eager(
     """Returns ``(d_result, d_lora, d_base_delta, dm, d_bias)`` (``None`` where not needed)."""
     acc = acc_dtype_for(dy, magnitude)
     vs = _view_shape(dy, feature_dim)
-    g_flat = magnitude_scale(magnitude, norm, eps, acc)
-    g = g_flat.view(vs)
+    coefs = _row_coefs(magnitude, norm, eps, scale, acc)
     half = dy.dtype in _HALF and result_dtype == lora_dtype == dy.dtype and base_delta_dtype in (None, dy.dtype)
     if half:  # same formulas in the activation dtype, (g - 1) explicit
         dt = dy.dtype
-        d_lora = dy * (g * scale).to(dt)
-        gm1 = (g - 1.0).to(dt)
+        d_lora = dy * _rows(coefs.get("gs", dt), vs)
+        gm1 = _rows(coefs.get("gm1", dt), vs)
         if delta_form:
             d_result, d_base_delta = dy, dy * gm1
         else:
@@ -164,21 +229,20 @@ def compose_bwd_eager(
         dy_acc = None
     else:
         dy_acc = dy.to(acc)
-        d_lora = ((g * scale) * dy_acc).to(lora_dtype)
+        d_lora = (_rows(coefs.get("gs"), vs) * dy_acc).to(lora_dtype)
         if delta_form:
             d_result = dy.to(result_dtype)
-            d_base_delta = ((g - 1.0) * dy_acc).to(base_delta_dtype)
+            d_base_delta = (_rows(coefs.get("gm1"), vs) * dy_acc).to(base_delta_dtype)
         else:
-            d_result = (g * dy_acc).to(result_dtype)
+            d_result = (_rows(coefs.get("g"), vs) * dy_acc).to(result_dtype)
             d_base_delta = None
     dm = None
     if need_dm:
-        inv = 1.0 / norm.detach().reshape(-1).to(acc).clamp_min(eps)
-        dm = _rowsum_product(dy, inner, feature_dim, acc) * inv
+        dm = _rowsum_product(dy, inner, feature_dim, acc) * coefs.get("inv")
         dm = dm.to(magnitude.dtype).view(magnitude.shape)
     d_bias = None
     if need_dbias:
-        d_bias = (1.0 - g_flat) * _sum_tokens(dy.to(acc) if dy_acc is None else dy_acc, feature_dim)
+        d_bias = (1.0 - coefs.get("g")) * _sum_tokens(dy.to(acc) if dy_acc is None else dy_acc, feature_dim)
     return d_result, d_lora, d_base_delta, dm, d_bias
 
 
@@ -192,14 +256,15 @@ def _rowsum_product(a: torch.Tensor, b: torch.Tensor, feature_dim: int, acc: tor
     fd = feature_dim % a.dim()
     a2 = a.movedim(fd, -1).reshape(-1, a.shape[fd])
     b2 = b.movedim(fd, -1).reshape(-1, b.shape[fd])
-    out = torch.zeros(a2.shape[1], dtype=acc, device=a.device)
     same_half = a2.dtype == b2.dtype and a2.dtype in _HALF
-    for start in range(0, a2.shape[0], _EAGER_ROWS_PER_CHUNK):
+    out = None
+    for start in range(0, max(a2.shape[0], 1), _EAGER_ROWS_PER_CHUNK):
         stop = start + _EAGER_ROWS_PER_CHUNK
         if same_half:  # products in the activation dtype, accumulated in fp32
-            out += (a2[start:stop] * b2[start:stop]).sum(0, dtype=acc)
+            part = (a2[start:stop] * b2[start:stop]).sum(0, dtype=acc)
         else:
-            out += (a2[start:stop].to(acc) * b2[start:stop].to(acc)).sum(0)
+            part = (a2[start:stop].to(acc) * b2[start:stop].to(acc)).sum(0)
+        out = part if out is None else out.add_(part)
     return out
 
 
