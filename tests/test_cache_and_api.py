@@ -512,3 +512,24 @@ def test_eager_row_coefficients_follow_magnitude_and_norm_changes():
 
 def test_magnitude_only_edit_after_cached_forward_matches_peft():
     _outputs_equal_after(lambda m: _lin(m).lora_magnitude_vector["default"].weight.mul_(1.5), "in-place magnitude edit")
+
+
+def test_cached_coefficients_are_freed_with_their_norm():
+    """The coefficients live on the norm tensor without a reference cycle: a recomputed norm (every optimizer step)
+    and its vectors are freed by reference counting, not at some later cyclic garbage collection."""
+    import gc
+    import weakref
+
+    res, lora, mag, norm, kw, dy = _compose_case(torch.float32, "plain", -1)
+    _run_compose(res, lora, mag, norm, kw, dy)
+    assert getattr(norm, "_fastdora_coefs", None) is not None
+    vec = weakref.ref(norm._fastdora_coefs.get("g"))
+    ref = weakref.ref(norm)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del norm
+        assert ref() is None and vec() is None
+    finally:
+        if enabled:
+            gc.enable()

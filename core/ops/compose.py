@@ -24,6 +24,7 @@ implementation in ``fastdora.kernels.compose`` provides ``compose_fwd`` / ``comp
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -62,10 +63,12 @@ class _RowCoefs:
     ``norm`` (version counter), ``eps``, ``scale`` or the accumulation dtype starts a new instance.
     """
 
-    __slots__ = ("key", "magnitude", "norm", "eps", "scale", "acc", "vecs")
+    __slots__ = ("key", "magnitude", "norm_ref", "eps", "scale", "acc", "vecs")
 
     def __init__(self, key, magnitude, norm, eps, scale, acc):
-        self.key, self.magnitude, self.norm = key, magnitude, norm
+        # the norm only by weak reference: the instance lives on the norm tensor, and a cycle would keep both (and
+        # the vectors) alive until Python's cyclic GC instead of freeing them with the norm
+        self.key, self.magnitude, self.norm_ref = key, magnitude, weakref.ref(norm)
         self.eps, self.scale, self.acc = eps, scale, acc
         self.vecs = {}
 
@@ -79,14 +82,15 @@ class _RowCoefs:
     def _make(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         if dtype != self.acc:
             return self.get(name).to(dtype)
+        norm = self.norm_ref()  # alive: every caller holds it
         if name == "g":
-            return magnitude_scale(self.magnitude, self.norm, self.eps, self.acc)
+            return magnitude_scale(self.magnitude, norm, self.eps, self.acc)
         if name == "gm1":
             return self.get("g") - 1.0
         if name == "gs":
             return self.get("g") * self.scale
         if name == "inv":
-            return 1.0 / self.norm.detach().reshape(-1).to(self.acc).clamp_min(self.eps)
+            return 1.0 / norm.detach().reshape(-1).to(self.acc).clamp_min(self.eps)
         raise KeyError(name)
 
 
