@@ -6,16 +6,17 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 WORK=${FASTDORA_WORK:-$ROOT/.work}
 PY=${FASTDORA_PYTHON:-python3}
-if ! "$PY" -c "import fastdora, transformers, peft, accelerate" 2>/dev/null; then
+if ! "$PY" -c "import fastdora, transformers, peft, accelerate, datasets" 2>/dev/null; then
   VENV="$WORK/venv-example"
-  if [ ! -f "$VENV/.ok" ]; then
+  STAMP=$(cat "$ROOT/pyproject.toml" "${BASH_SOURCE[0]}" | sha256sum | cut -c1-16)  # rebuilt when requirements change
+  if [ ! -f "$VENV/.ok" ] || [ "$(cat "$VENV/.ok")" != "$STAMP" ]; then
     rm -rf "$VENV"
     "$PY" -m venv "$VENV"
     "$VENV/bin/pip" install -q --upgrade pip
     "$VENV/bin/python" -c "import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else 1)" \
       && "$VENV/bin/pip" install -q "torch==2.13.0" || "$VENV/bin/pip" install -q torch
     "$VENV/bin/pip" install -q -e "$ROOT[hf]"
-    touch "$VENV/.ok"
+    echo "$STAMP" > "$VENV/.ok"
   fi
   PY="$VENV/bin/python"
 fi

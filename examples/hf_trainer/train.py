@@ -100,6 +100,9 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--kernels", default=None, choices=["auto", "triton", "eager"])
     p.add_argument("--bf16", action="store_true", help="bf16 autocast on GPU")
+    p.add_argument("--check", type=float, default=None, metavar="TOL",
+                   help="exit 1 unless the loss curves and the trained model's logits agree with stock PEFT within "
+                        "TOL and fastdora's composition ran (the test suite runs this on the CPU)")
     a = p.parse_args()
 
     model_dir = os.path.join(a.out, f"model_h{a.hidden}_l{a.layers}")
@@ -131,6 +134,20 @@ def main() -> None:
           f"{(y_fast - y_stock).abs().max().item():.2e}")
     print(f"fastdora paths that ran: {dict(fastdora.active_path_counter)}")
     print(f"adapter (plain PEFT checkpoint): {os.path.join(a.out, 'fastdora', 'adapter')}")
+    if a.check is not None:
+        loss_diff = max(abs(x - y) for x, y in zip(fast_losses, stock_losses))
+        logit_diff = (y_fast - y_stock).abs().max().item()
+        ran = sum(v for k, v in fastdora.active_path_counter.items() if k.startswith("linear:"))
+        problems = [msg for bad, msg in (
+            (len(fast_losses) != a.steps or len(stock_losses) != a.steps, f"not {a.steps} logged steps each"),
+            (not loss_diff <= a.check, f"loss difference {loss_diff:.2e} > {a.check}"),
+            (not logit_diff <= a.check, f"logit difference {logit_diff:.2e} > {a.check}"),
+            (ran == 0, "fastdora's composition never ran"),
+        ) if bad]
+        if problems:
+            print("CHECK FAILED: " + "; ".join(problems))
+            sys.exit(1)
+        print(f"check passed (tolerance {a.check})")
 
 
 if __name__ == "__main__":
