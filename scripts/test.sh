@@ -19,9 +19,9 @@ mkdir -p "$WORK"
 t0=$(date +%s)
 say() { printf '\n==== [%4ss] %s\n' "$(( $(date +%s) - t0 ))" "$*"; }
 
-# Disk preflight: a full run builds ~9.5 GB of virtual environments under $WORK (test venv ~2.7 GB, framework
-# venvs ~6.7 GB); a full disk otherwise shows up minutes later as a pip OSError in the middle of the suite.
-need_gb=${FASTDORA_TEST_MIN_FREE_GB:-$([ "${FASTDORA_TEST_QUICK:-0}" = 1 ] && echo 4 || echo 12)}
+# Disk preflight: a full run builds ~11 GB of virtual environments under $WORK (test venv ~2.7 GB, framework
+# venvs ~6.7 GB, example venv ~1.5 GB); a full disk otherwise shows up minutes later as a pip OSError mid-suite.
+need_gb=${FASTDORA_TEST_MIN_FREE_GB:-$([ "${FASTDORA_TEST_QUICK:-0}" = 1 ] && echo 4 || echo 14)}
 free_gb=$(( $(df -Pk "$WORK" | awk 'NR==2 {print $4}') / 1048576 ))
 if [ "$free_gb" -lt "$need_gb" ]; then
   echo "fastdora tests: only ${free_gb} GB free under $WORK; the run needs about ${need_gb} GB" \
@@ -101,5 +101,16 @@ run_peft_dora_tests "$VENV" "$PEFT_OLDEST"
 if [ -f "$ROOT/integration_tests/run_all.sh" ]; then
   say "framework integration tests (each framework in its own venv)"
   FASTDORA_WORK="$WORK" bash "$ROOT/integration_tests/run_all.sh"
+fi
+
+say "the README's main command (scripts/run_example.sh, its own venv), checked against stock PEFT"
+example_log="$WORK/example_check.log"
+if FASTDORA_WORK="$WORK" FASTDORA_PYTHON="$PY" bash "$ROOT/scripts/run_example.sh" --check 1e-4 \
+    --out "$WORK/example_check" > "$example_log" 2>&1; then
+  grep -E "^(device|stock PEFT|fastdora|loss curves|outputs|check)" "$example_log"
+else
+  tail -40 "$example_log" >&2
+  echo "the README's main command failed (full log: $example_log)" >&2
+  exit 1
 fi
 say "all tests passed"
