@@ -189,6 +189,12 @@ def _half_path(result, lora, base_delta, out_dtype) -> bool:
 def _compose_fwd_half(result, lora, magnitude, norm, scale, eps, bias, base_delta, save_inner, vs):
     dt = result.dtype
     coefs = _row_coefs(magnitude, norm, eps, scale, torch.float32)
+    if base_delta is None and bias is None:
+        # the common case, two passes: inner = result + s*lora, y = inner + (g - 1) * inner (reads 3 and writes 2
+        # activation-sized tensors instead of 6 and 3; on a bf16 test tensor also fewer elements beyond one rounding)
+        inner = torch.add(result, lora, alpha=scale)
+        y = torch.addcmul(inner, inner, _rows(coefs.get("gm1", dt), vs))
+        return y, (inner if save_inner else None)
     p = result if base_delta is None else base_delta
     y = torch.addcmul(result, p, _rows(coefs.get("gm1", dt), vs))  # result + (g - 1) * p
     y.addcmul_(lora, _rows(coefs.get("gs", dt), vs))  #              + g * s * lora
