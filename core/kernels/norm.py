@@ -26,6 +26,8 @@ from typing import Optional
 
 import torch
 
+from . import _launch
+
 try:  # pragma: no cover
     import triton
     import triton.language as tl
@@ -152,8 +154,6 @@ if AVAILABLE:
 
 
 if AVAILABLE:
-    from . import _launch
-
     _GRAM = _launch.Launcher(_norm_gram_kernel)
     _COMBINE = _launch.Launcher(_norm_combine_kernel)
 
@@ -199,11 +199,11 @@ def _gram_config(rows: int, R: int, device: torch.device, mode: int, gram_of_a: 
         b = min(32, max(16, _next_pow2(R)))
         return b, b, 64, 4, 3
     block_r = min(128, max(16, _next_pow2(R)))
-    n_r = -(-R // block_r)
+    n_r = _launch.cdiv(R, block_r)
     cands = (256, 128, 64, 32, 16) if mode == _MODE_SPLIT else (128, 64, 32, 16)
     block_o = 16
     for cand in cands:
-        if -(-rows // cand) * n_r * 2 >= _num_sms(device):
+        if _launch.cdiv(rows, cand) * n_r * 2 >= _num_sms(device):
             block_o = cand
             break
     block_o = max(16, min(block_o, _next_pow2(rows)))
@@ -227,7 +227,7 @@ def _gram(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, base: Optional[to
         mode = _MODE_FP32
     prec = "tf32x3"
     block_o, block_r, block_k, warps, stages = _gram_config(rows, R, x.device, mode, gram_of_a)
-    grid = (-(-rows // block_o) * -(-R // block_r),)
+    grid = (_launch.cdiv(rows, block_o) * _launch.cdiv(R, block_r),)
     _GRAM(
         grid,
         (x, a, out, base if base is not None else out),
@@ -273,7 +273,7 @@ def factored_norm_triton(
         block_o = 64 if d_out >= 64 * _num_sms(dev) else 32
         s = float(scale)
         _COMBINE(
-            (-(-d_out // block_o),),
+            (_launch.cdiv(d_out, block_o),),
             (U, G, B, base, norm),
             (d_out, r, B.stride(0), B.stride(1)),
             (2.0 * s, s * s),
@@ -281,5 +281,3 @@ def factored_norm_triton(
             4,
         )
     return norm, base
-
-
