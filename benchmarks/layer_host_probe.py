@@ -2,7 +2,8 @@
 """Host (CPU-side) cost of one DoRA layer call, without device work (issue 5: the training step is host-bound).
 
 A stack of ``L`` PEFT Linear layers at a tiny size (d=64, 8 tokens) runs on the CPU, where every operator costs its
-dispatch/Python overhead and almost no arithmetic. Variants, interleaved round by round (medians over rounds):
+dispatch/Python overhead and almost no arithmetic. Variants, interleaved round by round (median and minimum over
+rounds):
 
 - ``lora``:           stock PEFT LoRA (the target: what the same layer costs without DoRA)
 - ``fastdora_eager``: fastdora's exact PyTorch path (``kernels="eager"``), what runs without Triton
@@ -18,9 +19,11 @@ The numbers are per layer and per call, in microseconds of this thread's CPU tim
 not time spent descheduled), on the machine that runs the script: use them for
 before/after comparisons of the host path (same machine, same run), not as device timings.
 
-  python benchmarks/layer_host_probe.py --out benchmarks/results/layer_host_probe.json
-  mkdir -p /tmp/old && git archive HEAD~1 core | tar -x -C /tmp/old && mv /tmp/old/core /tmp/old/fastdora
-  python benchmarks/layer_host_probe.py --old-pkg /tmp/old --out ...     # before/after in one process
+  python benchmarks/layer_host_probe.py --out /tmp/layer_host_probe.json
+  # before/after in one process (the committed run: benchmarks/README.md, "Host cost per layer call on the CPU")
+  mkdir -p /tmp/old && git archive 0369b03 core | tar -x -C /tmp/old && mv /tmp/old/core /tmp/old/fastdora
+  python benchmarks/layer_host_probe.py --old-pkg /tmp/old --rounds 15 --iters 40 \
+      --out benchmarks/results/cpu_host/layer_host_probe.json
 """
 
 from __future__ import annotations
