@@ -241,6 +241,7 @@ def linear_norm_and_lora(mag, x, base_layer, lora_A, lora_B, scale, adapter_name
     from peft.utils.integrations import dequantize_module_weight
     from peft.utils.other import transpose
 
+    from .ops.compose import allow_row_coef_cache
     from .ops.norm import factored_norm
     from .stats import record
 
@@ -300,6 +301,7 @@ def linear_norm_and_lora(mag, x, base_layer, lora_A, lora_B, scale, adapter_name
     record("norm:computed" if base is None or bkey is None or base[0] != bkey else "norm:computed_base_cached")
     if key is not None:
         mag.__dict__["_fastdora_base"] = (bkey, base_sq)
+        allow_row_coef_cache(norm)
         cache[adapter_name] = (key, norm)
     if lora is None:
         lora = lora_B(lora_A(x))

@@ -23,7 +23,7 @@ from torch import nn
 
 from . import config as _config
 from . import distributed as _distributed
-from .ops.compose import acc_dtype_for, dora_compose
+from .ops.compose import acc_dtype_for, allow_row_coef_cache, dora_compose
 from .ops.norm import factored_norm
 from .stats import active_path_counter, record
 
@@ -174,6 +174,7 @@ class _FastDoraMixin:
         norm, base_sq = factored_norm(weight_fn(), lora_A, lora_B, scale, base_sq, budget, kernels)
         record("norm:computed" if base is None or base[0] != wkey else "norm:computed_base_cached")
         self.__dict__["_fastdora_base"] = (wkey, base_sq)
+        allow_row_coef_cache(norm)  # the eager composition may keep its per-row coefficients on a cached norm
         cache[adapter_name] = (key, norm)
         return norm
 

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastdora
+from fastdora.ops.compose import allow_row_coef_cache
 from fastdora.ops.norm import factored_norm_eager
 from fastdora.stats import active_path_counter
 
@@ -417,6 +418,7 @@ def _compose_case(dtype, form, feature_dim, seed=5):
     mag_dtype = F64 if dtype == F64 else torch.float32
     mag = nn.Parameter(torch.rand(d, generator=g, dtype=torch.float64).add(0.5).to(mag_dtype))
     norm = torch.rand(d, generator=g, dtype=torch.float64).add(0.5).to(mag.dtype)
+    allow_row_coef_cache(norm)  # as the layers' norm cache does (a caller's own norm is never cached on)
     kw = {"feature_dim": feature_dim, "kernels": "eager"}
     if form == "bias":
         kw["bias"] = torch.randn(d, generator=g, dtype=torch.float64).to(dtype)
@@ -508,6 +510,50 @@ def test_eager_row_coefficients_follow_magnitude_and_norm_changes():
 
         yi = dora_compose(ri, li, mi, ni, 0.75, 1e-12, kernels="eager")
     torch.testing.assert_close(yi, (mag.detach() / norm) * (res.detach() + 0.75 * lora.detach()), rtol=1e-6, atol=1e-6)
+
+
+def test_dora_compose_with_a_callers_norm_is_a_pure_function():
+    """``dora_compose`` on a norm the caller owns caches nothing: writes to the magnitude that no key can see (through
+    ``.data``, as gradcheck's numerical Jacobian does) are always seen. fp64 gradcheck of the eager path, plain and
+    delta forms, with the norm held constant across calls (the GPU suite runs the same check through dispatch)."""
+    from fastdora.ops.compose import dora_compose
+
+    g = torch.Generator().manual_seed(3)
+    nrm = torch.rand(6, generator=g, dtype=F64) + 0.5
+    b = torch.randn(6, generator=g, dtype=F64)
+
+    def mk(*shape):
+        return torch.randn(*shape, generator=g, dtype=F64).requires_grad_(True)
+
+    m = (torch.rand(6, generator=g, dtype=F64) + 0.5).requires_grad_(True)
+
+    def plain(r, lo, m):
+        return dora_compose(r, lo, m, nrm, 0.7, 1e-12, bias=b, kernels="eager")
+
+    def delta(r, lo, m, bd):
+        return dora_compose(r, lo, m, nrm, 0.7, 1e-12, base_delta=bd, kernels="eager")
+
+    assert torch.autograd.gradcheck(plain, (mk(3, 4, 6), mk(3, 4, 6), m))
+    assert torch.autograd.gradcheck(delta, (mk(3, 4, 6), mk(3, 4, 6), m, mk(3, 4, 6)))
+    r, lo = mk(2, 6), mk(2, 6)
+    y0 = plain(r, lo, m).detach()
+    m.data.mul_(2.0)  # no version bump
+    torch.testing.assert_close(plain(r, lo, m).detach() - b, 2.0 * (y0 - b), rtol=1e-12, atol=1e-12)
+    assert not hasattr(nrm, "_fastdora_coefs")
+
+
+def test_layer_norm_cache_entries_carry_row_coefficients():
+    """The eager layer path does use the coefficient cache: the norm cached by the layer carries the coefficients
+    after a training forward+backward (so the micro-batches and recomputations of a step reuse them)."""
+    _, fast = make_pair(MLP, dtype=torch.float32)
+    x = model_input(fast.base_model.model, torch.float32)
+    fast(x).sum().backward()
+    entries = [
+        hit[1]
+        for mod in fast.modules()
+        for hit in mod.__dict__.get("_fastdora_norm", {}).values()
+    ]
+    assert entries and all(getattr(n, "_fastdora_coefs", None) is not None for n in entries)
 
 
 def test_magnitude_only_edit_after_cached_forward_matches_peft():

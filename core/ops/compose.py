@@ -94,15 +94,31 @@ class _RowCoefs:
         raise KeyError(name)
 
 
+_NOT_CACHEABLE = object()
+
+
+def allow_row_coef_cache(norm: torch.Tensor) -> None:
+    """Mark ``norm`` as a norm-cache entry (fastdora's layers call this for the norms they cache): the eager
+    composition may keep its per-row coefficients on it. Any other norm (a caller's tensor passed to
+    ``dora_compose``) gets them computed on every call, so ``dora_compose`` stays a pure function of its arguments
+    even when the caller changes ``magnitude`` in ways no key can see (writes through ``.data``, as ``gradcheck``
+    does). Layer norms follow the norm cache's contract (``fastdora.invalidate_norm_cache()`` after such writes)."""
+    try:
+        norm._fastdora_coefs = None
+    except (AttributeError, RuntimeError):  # pragma: no cover - tensors that take no attributes
+        pass
+
+
 def _row_coefs(magnitude: torch.Tensor, norm: torch.Tensor, eps: float, scale: float, acc: torch.dtype) -> _RowCoefs:
-    """The cached :class:`_RowCoefs` of ``(magnitude, norm)`` (a fresh, uncached one where caching is not exact)."""
-    if torch.compiler.is_compiling():
+    """The cached :class:`_RowCoefs` of ``(magnitude, norm)`` (a fresh, uncached one where caching is not exact, and
+    for norms not marked by :func:`allow_row_coef_cache`)."""
+    coefs = getattr(norm, "_fastdora_coefs", _NOT_CACHEABLE)
+    if coefs is _NOT_CACHEABLE or torch.compiler.is_compiling():
         return _RowCoefs(None, magnitude, norm, eps, scale, acc)
     try:
         key = (_distributed.epoch(), magnitude.data_ptr(), magnitude._version, norm._version, eps, scale, acc)
     except (RuntimeError, NotImplementedError):  # inference tensors (no version counter), tensor subclasses
         return _RowCoefs(None, magnitude, norm, eps, scale, acc)
-    coefs = getattr(norm, "_fastdora_coefs", None)
     if coefs is not None and coefs.key == key and coefs.magnitude is magnitude:
         return coefs
     _distributed.ensure_step_hook()  # optimizer steps that bump no version counter (fused / ZeRO) bump the epoch
