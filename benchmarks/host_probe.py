@@ -198,7 +198,7 @@ def _group(name: str) -> str:
     return "other"
 
 
-def kernel_profile(run, sync, top=25):
+def kernel_profile(run, sync, top=80):
     """One call of ``run`` under torch.profiler: per-kernel device time (count, total), per-group sums, the GPU's busy
     time (union of kernel intervals) against the span from first kernel start to last kernel end."""
     from torch.profiler import ProfilerActivity, profile
@@ -212,7 +212,7 @@ def kernel_profile(run, sync, top=25):
     return summarize_kernels(kernels, top)
 
 
-def summarize_kernels(kernels, top=25):
+def summarize_kernels(kernels, top=80):
     """``kernels``: (name, start_us, end_us) per kernel execution."""
     if not kernels:
         return dict(error="no CUDA kernel events recorded")

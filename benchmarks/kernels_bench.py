@@ -5,6 +5,8 @@ Sections (``--sections``, comma separated; default all):
   compose    forward / backward kernels: achieved bandwidth (bytes that must move / median time) as % of copy
              bandwidth, against the eager PyTorch path, at tokens 8192..16384, d 4096..12288, bf16 / AMP / mixed
   sweep      block-size alternatives of the forward and backward kernels at one large shape
+  norm_variants  (not in the default list) G split over K vs not, U row vs transposed tiles over configurations,
+             per Qwen3-8B shape at r=384 (AMP and bf16), with errors vs fp64
   norm       factored-norm kernel: time and working set (max_memory_allocated delta) vs the eager factored norm
              and PEFT's dense formula; relative error vs a dense fp64 reference
   crossover  eager vs fused composition (autograd fwd+bwd and no-grad fwd) from 1K to 64M elements
@@ -284,6 +286,81 @@ def sec_norm_sweep():
     return res
 
 
+# Qwen3-8B projection shapes (d_out, d_in) at r=384: what one optimizer step's norm recompute runs per layer
+QWEN_SHAPES = [(4096, 4096), (1024, 4096), (12288, 4096), (4096, 12288)]
+_U_VARIANTS = {
+    kn._MODE_SPLIT: [(256, 128, 64, 8, 3, False), (128, 128, 64, 8, 3, True), (256, 128, 64, 8, 3, True),
+                     (128, 128, 64, 8, 4, True), (128, 128, 32, 8, 4, True), (128, 256, 64, 8, 3, True),
+                     (128, 64, 64, 4, 3, True), (64, 128, 64, 4, 3, True)],
+    kn._MODE_FP32: [(128, 128, 32, 8, 3, False), (128, 128, 32, 8, 3, True), (128, 64, 32, 4, 3, True),
+                    (64, 128, 32, 4, 3, True)],
+}
+
+
+def sec_norm_variants():
+    """G = A A^T unsplit vs split over K (the default), U = W A^T in row tiles vs transposed tiles (split A parts as
+    wgmma's register operand) over block configurations, and the whole norm per Qwen3-8B shape at r=384 (AMP: bf16
+    W, fp32 A/B; pure bf16), each with its relative error against a dense fp64 reference."""
+    res = []
+    cases = [(d_out, d_in, 384, "bf16", "fp32") for d_out, d_in in QWEN_SHAPES]
+    cases += [(12288, 4096, 384, "bf16", "bf16"), (4096, 4096, 384, "bf16", "bf16"), (4096, 4096, 16, "bf16", "fp32")]
+    saved_trans = dict(kn._TRANS)
+    try:
+        for d_out, d_in, r, wd, ad in cases:
+            g = torch.Generator(device=DEV).manual_seed(r)
+            W = (torch.randn(d_out, d_in, device=DEV, generator=g) / d_in ** 0.5).to(_DT[wd])
+            A = (torch.randn(r, d_in, device=DEV, generator=g) / d_in ** 0.5).to(_DT[ad])
+            B = (torch.randn(d_out, r, device=DEV, generator=g) * 0.05).to(_DT[ad])
+            s = 2.0 / math.sqrt(r) * 8
+            ref = torch.empty(d_out, device=DEV, dtype=torch.float64)
+            for o in range(0, d_out, 1024):
+                ref[o:o + 1024] = torch.linalg.norm(
+                    W[o:o + 1024].double() + s * B[o:o + 1024].double() @ A.double(), dim=1)
+            rel = lambda x: ((x.double() - ref).norm() / ref.norm()).item()  # noqa: E731
+            row = {"shape": [d_out, d_in], "r": r, "W": wd, "AB": ad}
+            mode = kn._MODE_SPLIT if (wd, ad) == ("bf16", "fp32") else kn._MODE_FP32
+            U = torch.empty(d_out, r, device=DEV)
+            base = torch.empty(d_out, device=DEV)
+            G = torch.empty(r, r, device=DEV)
+            split = kn._g_split(r, d_in, d_out * r, W.device)
+            parts = U.view(-1)[: split * r * r].view(split, r, r)
+            row["G_split"] = split
+            row["G_unsplit_ms"] = bench(lambda: kn._gram(A, A, G, None, False, gram_of_a=True), warmup=5, rep=30)
+
+            def g_split():
+                n = kn._gram(A, A, parts, None, False, gram_of_a=True, split=split)
+                torch.sum(parts[:n], dim=0, out=G)
+
+            row["G_split_ms"] = bench(g_split, warmup=5, rep=30)
+            row["U"] = []
+            for cfg in _U_VARIANTS[mode]:
+                kn._CONFIG_OVERRIDE.clear()
+                kn._CONFIG_OVERRIDE[mode] = cfg
+                try:
+                    ms = bench(lambda: kn._gram(W, A, U, base, False), warmup=5, rep=30)
+                    nt, _ = kn.factored_norm_triton(W, A, B, s)
+                    err = rel(nt)
+                    full = bench(lambda: kn.factored_norm_triton(W, A, B, s, base_sq=base), warmup=5, rep=30)
+                except Exception as e:  # out of resources etc.
+                    ms, err, full = f"{type(e).__name__}: {str(e)[:200]}", None, None
+                row["U"].append({"cfg": cfg, "U_ms": ms, "norm_cached_base_ms": full, "relerr": err,
+                                 "tflops_1product": (2 * d_out * d_in * r / (ms * 1e-3) / 1e12)
+                                 if isinstance(ms, float) else None})
+            kn._CONFIG_OVERRIDE.clear()
+            row["default_U_cfg"] = kn._gram_config(d_out, r, W.device, mode, False)
+            ne, _ = on.factored_norm_eager(W, A, B, s)
+            row["eager_relerr"] = rel(ne)
+            res.append(row)
+            print(json.dumps(row, default=str)[:1500], flush=True)
+            del W, A, B, U, base, G, parts, ref
+            _free()
+    finally:
+        kn._CONFIG_OVERRIDE.clear()
+        kn._TRANS.update(saved_trans)
+    RESULTS["norm_variants"] = res
+    return res
+
+
 # ------------------------------------------------------------------------------------------------------- crossover
 
 
@@ -478,6 +555,8 @@ def main():
                 sec_norm()
             elif sec == "norm_sweep":
                 sec_norm_sweep()
+            elif sec == "norm_variants":
+                sec_norm_variants()
             elif sec == "crossover":
                 sec_crossover()
             elif sec == "layer":

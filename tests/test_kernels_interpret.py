@@ -320,6 +320,39 @@ else:
         n0, _ = kn.factored_norm_triton(W, A, B, 0.0)
         torch.testing.assert_close(n0, be.sqrt(), rtol=1e-6, atol=1e-6)
 
+    @pytest.mark.parametrize("trans", [False, True], ids=["rows", "trans"])
+    @pytest.mark.parametrize("dname", ["fp32", "bf16W_fp32AB", "bf16"])
+    def test_factored_norm_split_g_and_transposed_u(dname, trans):
+        """G = A A^T split over K into U's buffer (3 partial products summed), and U computed as the transposed tile
+        (A parts as the left operand): same norm and base as the eager path and within the fp64 envelope."""
+        d_out, d_in, r = 40, 300, 12
+        wdt, adt = NORM_DTYPES[dname]
+        gen = torch.Generator().manual_seed(4)
+        W = (torch.randn(d_out, d_in, generator=gen) / d_in ** 0.5).to(wdt)
+        A = (torch.randn(r, d_in, generator=gen) / d_in ** 0.5).to(adt)
+        B = (torch.randn(d_out, r, generator=gen) * 0.3).to(adt)
+        s = 1.3
+        saved = dict(kn._TRANS)
+        kn._SPLIT_OVERRIDE["G"] = 3
+        kn._TRANS.update({m: trans for m in kn._TRANS})
+        try:
+            assert kn._g_split(r, d_in, d_out * r, W.device) == 3
+            nk, bk = kn.factored_norm_triton(W, A, B, s)
+            nk2, _ = kn.factored_norm_triton(W.t().contiguous().t(), A, B, s)
+        finally:
+            kn._SPLIT_OVERRIDE.clear()
+            kn._TRANS.update(saved)
+        ne, be = on.factored_norm_eager(W, A, B, s)
+        dense = torch.linalg.norm(W.double() + s * B.double() @ A.double(), dim=1)
+        torch.testing.assert_close(bk, be, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(nk, ne, rtol=2e-5, atol=1e-6)
+        torch.testing.assert_close(nk2, ne, rtol=2e-5, atol=1e-6)
+        _envelope(nk, ne, dense, torch.float32, "norm")
+        G = torch.empty(3, r, r)  # the partial products themselves sum to A A^T
+        kn._gram(A, A, G, None, True, gram_of_a=True, split=3)
+        torch.testing.assert_close(G.sum(0).double(), A.double() @ A.double().T, rtol=1e-5, atol=1e-6)
+        assert not torch.equal(G[0], G[1])
+
     def test_norm_supports():
         W = torch.randn(8, 6)
         assert not kn.supports(W.double(), torch.randn(2, 6).double(), torch.randn(8, 2).double())

@@ -2,11 +2,14 @@
 
     ||W + sBA||^2_row = ||W||^2_row + 2s * rowsum(B * U) + s^2 * rowsum((B @ G) * B),  U = W A^T, G = A A^T
 
-Three launches per module, no temporaries beyond the fp32 results:
+Three launches per module (four when G is split), no temporaries beyond the fp32 results:
 
-1. ``_norm_gram_kernel`` over ``X = A``: ``G = A A^T`` ``[r, r]`` fp32.
+1. ``_norm_gram_kernel`` over ``X = A``: ``G = A A^T`` ``[r, r]`` fp32. Its few output tiles each loop over all of
+   ``d_in``, so the K range is split over programs (partial G's in U's not yet written buffer, then one fixed-order
+   sum: deterministic, no extra memory).
 2. ``_norm_gram_kernel`` over ``X = W``: ``U = W A^T`` ``[d_out, r]`` fp32 and, unless a cached ``base_sq`` is given,
    ``||W||^2`` per row, reading ``W`` once per rank tile in its storage dtype (any strides: transposed views work).
+   Optionally as the transposed tile ``A W^T`` (``_TRANS``), with the split ``A`` parts as the register operand.
 3. ``_norm_combine_kernel``: ``norm = sqrt(max(base + 2s*rowsum(B*U) + s^2*rowsum((B G)*B), 0))``.
 
 Precision (everything accumulates in fp32):
@@ -51,13 +54,17 @@ if AVAILABLE:
     @triton.jit
     def _norm_gram_kernel(
         x_ptr, a_ptr, out_ptr, base_ptr,
-        ROWS, R, K,
-        stride_xr, stride_xk, stride_ar, stride_ak, stride_out,
+        ROWS, R, K, K_SPLIT,
+        stride_xr, stride_xk, stride_ar, stride_ak, stride_out, stride_split,
         NEED_BASE: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-        BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+        TRANS: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
-        # out[ROWS, R] = X[ROWS, K] @ A[R, K]^T (fp32 accumulation); base[ROWS] = rowsum(X^2) when NEED_BASE
+        # out[ROWS, R] = X[ROWS, K] @ A[R, K]^T (fp32 accumulation) over the K range of split program_id(1)
+        # (out + split * stride_split; K_SPLIT is a multiple of BLOCK_K); base[ROWS] = rowsum(X^2) when NEED_BASE.
+        # TRANS computes the transposed tile A @ X^T: the split A parts are the left operand, which Hopper's wgmma
+        # reads from registers, so only X goes through shared memory.
         pid = tl.program_id(0)
+        split = tl.program_id(1)
         n_r = tl.cdiv(R, BLOCK_R)
         pid_o = pid // n_r
         pid_r = pid % n_r
@@ -65,53 +72,85 @@ if AVAILABLE:
         offs_r = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
         omask = offs_o < ROWS
         rmask = offs_r < R
-        acc = tl.zeros([BLOCK_O, BLOCK_R], dtype=tl.float32)
+        if TRANS:
+            acc = tl.zeros([BLOCK_R, BLOCK_O], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_O, BLOCK_R], dtype=tl.float32)
         base = tl.zeros([BLOCK_O], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        k_lo = split * K_SPLIT
+        k_hi = tl.minimum(K, k_lo + K_SPLIT)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
-            kmask = offs_k < K
-            x = tl.load(
-                x_ptr + offs_o[:, None] * stride_xr + offs_k[None, :] * stride_xk,
-                mask=omask[:, None] & kmask[None, :], other=0.0,
-            )
-            a = tl.load(
-                a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
-                mask=rmask[None, :] & kmask[:, None], other=0.0,
-            )
+            kmask = offs_k < k_hi
+            if TRANS:
+                x = tl.load(  # X^T tile [BLOCK_K, BLOCK_O]
+                    x_ptr + offs_o[None, :] * stride_xr + offs_k[:, None] * stride_xk,
+                    mask=omask[None, :] & kmask[:, None], other=0.0,
+                )
+                a = tl.load(  # [BLOCK_R, BLOCK_K]
+                    a_ptr + offs_r[:, None] * stride_ar + offs_k[None, :] * stride_ak,
+                    mask=rmask[:, None] & kmask[None, :], other=0.0,
+                )
+            else:
+                x = tl.load(  # [BLOCK_O, BLOCK_K]
+                    x_ptr + offs_o[:, None] * stride_xr + offs_k[None, :] * stride_xk,
+                    mask=omask[:, None] & kmask[None, :], other=0.0,
+                )
+                a = tl.load(  # A^T tile [BLOCK_K, BLOCK_R]
+                    a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
+                    mask=rmask[None, :] & kmask[:, None], other=0.0,
+                )
             if NEED_BASE:
                 xf = x.to(tl.float32)
-                base += tl.sum(xf * xf, axis=1)
-            if UPCAST:
-                # Triton interpreter (CPU tensors): fp32 dot (its half-precision dot is unreliable); the products of
-                # the exact half-precision operands equal the tensor-core ones
-                if MODE == 1:
-                    a32 = a.to(tl.float32)
-                    hi = a32.to(x.dtype).to(tl.float32)
-                    r1 = a32 - hi
-                    mid = r1.to(x.dtype).to(tl.float32)
-                    lo = (r1 - mid).to(x.dtype).to(tl.float32)
-                    xf32 = x.to(tl.float32)
-                    acc = tl.dot(xf32, lo, acc, input_precision="ieee")
-                    acc = tl.dot(xf32, mid, acc, input_precision="ieee")
-                    acc = tl.dot(xf32, hi, acc, input_precision="ieee")
+                if TRANS:
+                    base += tl.sum(xf * xf, axis=0)
                 else:
-                    acc = tl.dot(x.to(tl.float32), a.to(tl.float32), acc, input_precision="ieee")
-            else:
-                if MODE == 1:
-                    # A = hi + mid + lo in X's dtype (~24 mantissa bits): three tensor-core products
-                    a32 = a.to(tl.float32)
-                    hi = a32.to(x.dtype)
-                    r1 = a32 - hi.to(tl.float32)
-                    mid = r1.to(x.dtype)
-                    lo = (r1 - mid.to(tl.float32)).to(x.dtype)
+                    base += tl.sum(xf * xf, axis=1)
+            if MODE == 1:
+                # A = hi + mid + lo in X's dtype (~24 mantissa bits): three tensor-core products
+                a32 = a.to(tl.float32)
+                hi = a32.to(x.dtype)
+                r1 = a32 - hi.to(tl.float32)
+                mid = r1.to(x.dtype)
+                lo = (r1 - mid.to(tl.float32)).to(x.dtype)
+                if UPCAST:
+                    # Triton interpreter (CPU tensors): fp32 dots (its half-precision dot is unreliable); the
+                    # products of the exact half-precision operands equal the tensor-core ones
+                    xu = x.to(tl.float32)
+                    if TRANS:
+                        acc = tl.dot(lo.to(tl.float32), xu, acc, input_precision="ieee")
+                        acc = tl.dot(mid.to(tl.float32), xu, acc, input_precision="ieee")
+                        acc = tl.dot(hi.to(tl.float32), xu, acc, input_precision="ieee")
+                    else:
+                        acc = tl.dot(xu, lo.to(tl.float32), acc, input_precision="ieee")
+                        acc = tl.dot(xu, mid.to(tl.float32), acc, input_precision="ieee")
+                        acc = tl.dot(xu, hi.to(tl.float32), acc, input_precision="ieee")
+                elif TRANS:
+                    acc = tl.dot(lo, x, acc)
+                    acc = tl.dot(mid, x, acc)
+                    acc = tl.dot(hi, x, acc)
+                else:
                     acc = tl.dot(x, lo, acc)
                     acc = tl.dot(x, mid, acc)
                     acc = tl.dot(x, hi, acc)
+            elif UPCAST:
+                if TRANS:
+                    acc = tl.dot(a.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
                 else:
-                    acc = tl.dot(x.to(tl.float32), a.to(tl.float32), acc, input_precision=PREC)
-        tl.store(
-            out_ptr + offs_o[:, None] * stride_out + offs_r[None, :], acc, mask=omask[:, None] & rmask[None, :]
-        )
+                    acc = tl.dot(x.to(tl.float32), a.to(tl.float32), acc, input_precision="ieee")
+            elif TRANS:
+                acc = tl.dot(a.to(tl.float32), x.to(tl.float32), acc, input_precision=PREC)
+            else:
+                acc = tl.dot(x.to(tl.float32), a.to(tl.float32), acc, input_precision=PREC)
+        out_base = out_ptr + split.to(tl.int64) * stride_split
+        if TRANS:
+            tl.store(
+                out_base + offs_o[None, :] * stride_out + offs_r[:, None], acc, mask=rmask[:, None] & omask[None, :]
+            )
+        else:
+            tl.store(
+                out_base + offs_o[:, None] * stride_out + offs_r[None, :], acc, mask=omask[:, None] & rmask[None, :]
+            )
         if NEED_BASE:
             if pid_r == 0:
                 tl.store(base_ptr + offs_o, base, mask=omask)
@@ -184,20 +223,25 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
-# benchmarks/kernels_bench.py may set this to sweep configurations: {mode: (BLOCK_O, BLOCK_R, BLOCK_K, warps, stages)}
+# benchmarks/kernels_bench.py may set these to sweep configurations: {mode or "G": (BLOCK_O, BLOCK_R, BLOCK_K, warps,
+# stages[, trans])}; {"G": split count of G = A A^T}
 _CONFIG_OVERRIDE: dict = {}
+_SPLIT_OVERRIDE: dict = {}
+# U = W A^T as the transposed tile A @ W^T (split A parts as wgmma's register operand), per dot mode
+_TRANS = {_MODE_SPLIT: False, _MODE_FP32: False}
 
 
 def _gram_config(rows: int, R: int, device: torch.device, mode: int, gram_of_a: bool):
-    """(BLOCK_O, BLOCK_R, BLOCK_K, warps, stages), from the sweep in benchmarks/results/kernels_h200_run2.json
+    """(BLOCK_O, BLOCK_R, BLOCK_K, warps, stages, trans), from the sweep in benchmarks/results/kernels_h200_run2.json
     ("norm_sweep", 8192x8192): large row tiles win as long as the grid still covers about half the SMs (split mode
     256x128x64: 0.45 ms vs 0.81 ms for 64x128x64; fp32 mode 128x128x32: 1.26 ms vs 1.35 ms)."""
     key = "G" if gram_of_a else mode
     if key in _CONFIG_OVERRIDE:
-        return _CONFIG_OVERRIDE[key]
-    if gram_of_a:  # G = A A^T: r x r outputs only, small tiles for parallelism
+        cfg = tuple(_CONFIG_OVERRIDE[key])
+        return cfg if len(cfg) == 6 else cfg + (False,)
+    if gram_of_a:  # G = A A^T: r x r outputs only, small tiles for parallelism (and split over K, see _g_split)
         b = min(32, max(16, _next_pow2(R)))
-        return b, b, 64, 4, 3
+        return b, b, 64, 4, 3, False
     block_r = min(128, max(16, _next_pow2(R)))
     n_r = _launch.cdiv(R, block_r)
     cands = (256, 128, 64, 32, 16) if mode == _MODE_SPLIT else (128, 64, 32, 16)
@@ -209,12 +253,25 @@ def _gram_config(rows: int, R: int, device: torch.device, mode: int, gram_of_a: 
     block_o = max(16, min(block_o, _next_pow2(rows)))
     block_k = 64 if mode == _MODE_SPLIT else 32
     warps = 8 if block_o * block_r >= 128 * 128 else 4
-    return block_o, block_r, block_k, warps, 3
+    return block_o, block_r, block_k, warps, 3, _TRANS[mode]
+
+
+def _g_split(R: int, K: int, capacity: int, device: torch.device) -> int:
+    """Programs over K for G = A A^T. G has only (r/32)^2 tiles (144 at r=384), each a long, latency-bound loop over
+    d_in: split K so that about 4 programs per SM run, each at least 2 K blocks long, with the partial G's fitting in
+    ``capacity`` fp32 elements (U's buffer, unused until U is computed: no extra memory)."""
+    if "G" in _SPLIT_OVERRIDE:
+        return max(1, min(int(_SPLIT_OVERRIDE["G"]), capacity // (R * R)))
+    b, _, block_k = _gram_config(R, R, device, _MODE_FP32, True)[:3]
+    tiles = _launch.cdiv(R, b) ** 2
+    want = _launch.cdiv(4 * _num_sms(device), tiles)
+    return max(1, min(want, K // (2 * block_k), capacity // (R * R), 64))
 
 
 def _gram(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, base: Optional[torch.Tensor], upcast: bool,
-          gram_of_a: bool = False) -> None:
-    """out = x @ a^T (fp32), and base = rowsum(x^2) when given."""
+          gram_of_a: bool = False, split: int = 1) -> None:
+    """out = x @ a^T (fp32), and base = rowsum(x^2) when given. ``split > 1`` (G only): ``out`` is
+    ``[split, rows, R]`` contiguous and receives the partial products of ``split`` equal K ranges."""
     rows, K = x.shape
     R = a.shape[0]
     if x.dtype == torch.bfloat16 and a.dtype == torch.float32 and not gram_of_a:
@@ -226,17 +283,21 @@ def _gram(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, base: Optional[to
         # operands, tf32x3 and the bf16 hi/mid/lo split stay at fp32 level (~1e-7).
         mode = _MODE_FP32
     prec = "tf32x3"
-    block_o, block_r, block_k, warps, stages = _gram_config(rows, R, x.device, mode, gram_of_a)
-    grid = (_launch.cdiv(rows, block_o) * _launch.cdiv(R, block_r),)
+    block_o, block_r, block_k, warps, stages, trans = _gram_config(rows, R, x.device, mode, gram_of_a)
+    k_split = _launch.cdiv(_launch.cdiv(K, split), block_k) * block_k
+    split = _launch.cdiv(K, k_split)
+    out2 = out if out.dim() == 2 else out[0]
+    grid = (_launch.cdiv(rows, block_o) * _launch.cdiv(R, block_r), split)
     _GRAM(
         grid,
         (x, a, out, base if base is not None else out),
-        (rows, R, K, x.stride(0), x.stride(1), a.stride(0), a.stride(1), out.stride(0)),
+        (rows, R, K, k_split, x.stride(0), x.stride(1), a.stride(0), a.stride(1), out2.stride(0), rows * R),
         (),
-        (base is not None, mode, prec, upcast, block_o, block_r, block_k),
+        (base is not None, mode, prec, upcast, bool(trans), block_o, block_r, block_k),
         warps,
         stages,
     )
+    return split
 
 
 def factored_norm_triton(
@@ -267,7 +328,13 @@ def factored_norm_triton(
             base = torch.empty(d_out, dtype=torch.float32, device=dev)
         else:
             base = base_sq.detach().reshape(-1).to(device=dev, dtype=torch.float32).contiguous()
-        _gram(A, A, G, None, upcast, gram_of_a=True)
+        split = _g_split(r, d_in, d_out * r, dev)
+        if split > 1:  # partial G's in U's buffer (written by the U pass afterwards), summed in a fixed order
+            parts = U.view(-1)[: split * r * r].view(split, r, r)
+            split = _gram(A, A, parts, None, upcast, gram_of_a=True, split=split)
+            torch.sum(parts[:split], dim=0, out=G)
+        else:
+            _gram(A, A, G, None, upcast, gram_of_a=True)
         _gram(W, A, U, base if need_base else None, upcast)
         block_r = min(64, max(16, _next_pow2(r)))
         block_o = 64 if d_out >= 64 * _num_sms(dev) else 32
