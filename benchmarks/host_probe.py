@@ -209,7 +209,16 @@ def kernel_profile(run, sync, top=80):
         sync()
     kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start]
-    return summarize_kernels(kernels, top)
+    out = summarize_kernels(kernels, top)
+    try:  # host side: where the CPU time of the iteration goes (aten ops, CUDA runtime calls), by self time
+        cpu = [(e.key, e.count, e.self_cpu_time_total) for e in prof.key_averages() if e.self_cpu_time_total > 0]
+        out["cpu_self_ms_total"] = sum(c[2] for c in cpu) / 1e3
+        out["cpu_events"] = sum(c[1] for c in cpu)
+        out["cpu_top"] = [dict(name=k[:120], count=n, self_ms=us / 1e3)
+                          for k, n, us in sorted(cpu, key=lambda c: -c[2])[:top]]
+    except Exception as e:  # noqa: BLE001 - diagnostics only
+        out["cpu_error"] = repr(e)
+    return out
 
 
 def summarize_kernels(kernels, top=80):
@@ -307,6 +316,9 @@ def main():
             print(f"   one iteration on the GPU: kernels {kp['kernel_ms_total']:.1f} ms ({kp['n_kernels']} launches), "
                   f"busy {kp['gpu_busy_ms']:.1f} of {kp['span_ms']:.1f} ms (idle {100 * kp['idle_fraction']:.1f}%); "
                   + ", ".join(f"{k} {v:.1f}" for k, v in kp["groups_ms"].items()))
+            if "cpu_top" in kp:
+                print(f"   host under the profiler: {kp['cpu_events']} events, self time {kp['cpu_self_ms_total']:.1f} ms;"
+                      " top: " + ", ".join(f"{c['name']} {c['self_ms']:.1f}ms/{c['count']}" for c in kp["cpu_top"][:12]))
         print("\n".join(r["cprofile_tottime"].splitlines()[:45]))
     with open(os.path.join(a.out, "host_probe.json"), "w") as f:
         json.dump(results, f, indent=1)

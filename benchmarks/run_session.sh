@@ -9,6 +9,8 @@
 #      variants run one after another on the same GPU)
 #   4. only with MULTIGPU=1: the multi-GPU runs on both GPUs (benchmarks/multigpu/run_h200x2.sh)
 #   bash benchmarks/run_session.sh [BENCH_BUDGET_S=180] [OLD_PKG]
+#   NORM_BENCH=1: phase 1 runs the norm kernel table (kernels_bench.py --sections norm) instead of the HF example;
+#   HOST_SEQ512=1: phase 2 adds the host probe at seq 512 (host-bound: per-micro-batch host cost, LoRA vs fastdora)
 # Needs carried wheels (device tool `carry`): .carry/whl (datasets, dill, multiprocess for the HF example) and, for
 # MULTIGPU=1, .whl (deepspeed + deps, see benchmarks/multigpu/README.md); OLD_PKG: a folder holding a `fastdora`
 # package. Writes to $OUT: session.log (all logs), host_probe.json, model_bench.{json,md,png}, multigpu_h200x2.json.
@@ -30,9 +32,14 @@ variants=lora,fastdora
 t0=$(date +%s)
 CUDA_VISIBLE_DEVICES=1 timeout 150 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_gpu_layers.py \
   -p no:cacheprovider > /tmp/gpu_tests.log 2>&1 &
+if [ "${NORM_BENCH:-0}" = 1 ]; then  # instead of the example: the norm kernel table (time, working set, error)
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/kernels_bench.py --sections norm --out "$OUT/kernels_norm.json" \
+    > /tmp/hf_example.log 2>&1
+else
 ( CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/tmp/fdp:/tmp/site_ex timeout 120 python3 examples/hf_trainer/train.py --bf16 \
     --steps 50 --hidden 512 --layers 4 --rank 16 --batch 8 --seq-len 256 --out /tmp/exh > /tmp/hf_example.log 2>&1
   echo "rc=$?" >> /tmp/hf_example.log ) &
+fi
 wait
 { echo "== GPU tests"; tail -15 /tmp/gpu_tests.log; echo "== HF Trainer example (bf16, H200)"; grep -v "it/s\]" /tmp/hf_example.log | tail -25
 } > "$LOG"
@@ -41,6 +48,13 @@ CUDA_VISIBLE_DEVICES=0 timeout 170 python3 benchmarks/host_probe.py --out /tmp/h
   ${OLD:+--old-pkg "$OLD"} > /tmp/host_probe.log 2>&1
 cp /tmp/hp/host_probe.json "$OUT/" 2>/dev/null
 { echo "== host probe"; cat /tmp/host_probe.log; } >> "$LOG"
+if [ "${HOST_SEQ512:-0}" = 1 ]; then  # host-bound regime (GPU work ~1/6 of the host's): host cost per micro-batch
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/host_probe.py --out /tmp/hps --variants lora,fastdora \
+    --seq 512 --loss-tokens 256 --repeats 3 > /tmp/host_probe512.log 2>&1
+  cp /tmp/hps/host_probe.json "$OUT/host_probe_seq512.json" 2>/dev/null
+  { echo "== host probe, seq 512"; cat /tmp/host_probe512.log; } >> "$LOG"
+  grep -E "^####|one iteration on the GPU|host under" /tmp/host_probe512.log | cut -c1-400
+fi
 echo "phase 2 done at +$(( $(date +%s) - t0 ))s" >> "$LOG"
 (CUDA_VISIBLE_DEVICES=1 python3 benchmarks/model_bench.py --out /tmp/mb1 --plan gpu1 --budget-s "$BUDGET" --repeats 5 \
   > /tmp/mb1.log 2>&1) &
@@ -57,7 +71,7 @@ cp /tmp/mg/multigpu_h200x2.json "$OUT/" 2>/dev/null
 [ "${MULTIGPU:-0}" = 1 ] && echo "phase 4 done at +$(( $(date +%s) - t0 ))s" >> "$LOG"
 grep -E "passed|failed|error" /tmp/gpu_tests.log | tail -2
 grep -E "stock PEFT :|fastdora   :|loss curves|outputs    |rc=" /tmp/hf_example.log
-grep -E "^####|one iteration on the GPU" /tmp/host_probe.log | cut -c1-260
+grep -E "^####|one iteration on the GPU|host under" /tmp/host_probe.log | cut -c1-400
 grep -E "done|FAIL|SKIP" /tmp/mb0.log /tmp/mb1.log | cut -c1-170
 grep -B2 -A26 "### Targets" "$OUT/model_bench.md" | grep -E "^\|" | head -24
 grep -E "phase" "$LOG"

@@ -87,17 +87,28 @@ def test_compose_matches_eager_and_fp64(shape, dname, delta, bias):
     assert yk.dtype == ye.dtype and ik.dtype == ie.dtype and yk.shape == ye.shape
     _envelope(yk, ye, yr, out_dtype, "y")
     _envelope(ik, ie, ir, ie.dtype, "inner")
-    dy = torch.randn(shape, device=DEV).to(out_dtype)
+    dy = torch.randn(shape, device=DEV, generator=torch.Generator(device=DEV).manual_seed(1)).to(out_dtype)
     bdt = rdt if delta else None
     gk = kc.TRITON.compose_bwd(dy, t["magnitude"], t["norm"], SCALE, eps, ik, delta, rdt, ldt, bdt, True, bias)
     ge = oc.compose_bwd_eager(dy, t["magnitude"], t["norm"], SCALE, eps, ie, delta, rdt, ldt, bdt, True, bias)
-    gr = oc.compose_bwd_eager(dy.double(), t64["magnitude"], t64["norm"], SCALE, eps, ir, delta, torch.float64,
-                              torch.float64, torch.float64 if delta else None, True, bias)
+
+    def ref64(inner):
+        return oc.compose_bwd_eager(dy.double(), t64["magnitude"], t64["norm"], SCALE, eps, inner, delta,
+                                    torch.float64, torch.float64, torch.float64 if delta else None, True, bias)
+
+    gr = ref64(ir)
     for name, a, b, r in zip(("d_result", "d_lora", "d_base_delta", "dm", "d_bias"), gk, ge, gr):
         if b is None:
             assert a is None, name
             continue
         assert a.dtype == b.dtype and a.shape == b.shape, name
+        if name == "dm":
+            # dm reduces the SAVED inner (its rounding is checked above, "inner"): each path against fp64 math on
+            # its own saved inner measures the reduction itself (fp32 accumulation), not which of the two
+            # low-precision inners happened to round closer on a few elements
+            ek, ee = _rel(a, ref64(ik.double())[3]), _rel(b, ref64(ie.double())[3])
+            assert ek <= 2 * ee + FLOOR[torch.float32], f"dm: kernel rel err {ek:.3g} vs eager {ee:.3g}"
+            continue
         _envelope(a, b, r, a.dtype if a.dtype in FLOOR else torch.float32, name)
 
 

@@ -227,8 +227,13 @@ def _num_sms(device: torch.device) -> int:
 # stages[, trans])}; {"G": split count of G = A A^T}
 _CONFIG_OVERRIDE: dict = {}
 _SPLIT_OVERRIDE: dict = {}
-# U = W A^T as the transposed tile A @ W^T (split A parts as wgmma's register operand), per dot mode
-_TRANS = {_MODE_SPLIT: False, _MODE_FP32: False}
+# U = W A^T as the transposed tile A @ W^T (split A parts as wgmma's register operand), per dot mode. Measured on
+# the H200 (benchmarks/results/h200x2_2026-11-30_s10/norm_variants.json, Qwen3-8B shapes, r=384): split mode
+# 128x128x32 (8 warps, 4 stages) transposed 0.13 / 0.13 / 0.38 / 0.37 ms vs 0.23 / 0.23 / 0.46 / 0.68 ms in row tiles
+# for 4096x4096 / 1024x4096 / 12288x4096 / 4096x12288, same error (1.4e-7 .. 2.2e-7). Transposed tiles with
+# BLOCK_K = 64 gave ~1e-3 relative errors on Triton 3.6 and are not used; fp32 mode gains < 7%: row tiles kept.
+_TRANS = {_MODE_SPLIT: True, _MODE_FP32: False}
+_TRANS_SPLIT_CFG = (128, 128, 32, 8, 4, True)
 
 
 def _gram_config(rows: int, R: int, device: torch.device, mode: int, gram_of_a: bool):
@@ -242,6 +247,8 @@ def _gram_config(rows: int, R: int, device: torch.device, mode: int, gram_of_a: 
     if gram_of_a:  # G = A A^T: r x r outputs only, small tiles for parallelism (and split over K, see _g_split)
         b = min(32, max(16, _next_pow2(R)))
         return b, b, 64, 4, 3, False
+    if mode == _MODE_SPLIT and _TRANS[mode]:
+        return _TRANS_SPLIT_CFG  # the one measured configuration, for every shape (rows and rank tiles masked)
     block_r = min(128, max(16, _next_pow2(R)))
     n_r = _launch.cdiv(R, block_r)
     cands = (256, 128, 64, 32, 16) if mode == _MODE_SPLIT else (128, 64, 32, 16)
