@@ -48,6 +48,7 @@ _W_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # dot modes of _norm_gram_kernel
 _MODE_FP32 = 0  # both operands to fp32, PREC input precision
 _MODE_SPLIT = 1  # half-precision X, fp32 A split into hi + mid + lo in X's dtype
+_MODE_HALF = 2  # X and A in the same half dtype: one tensor-core product (exact products, fp32 accumulation)
 
 if AVAILABLE:
 
@@ -133,6 +134,16 @@ if AVAILABLE:
                     acc = tl.dot(x, lo, acc)
                     acc = tl.dot(x, mid, acc)
                     acc = tl.dot(x, hi, acc)
+            elif MODE == 2:
+                if UPCAST:
+                    if TRANS:
+                        acc = tl.dot(a.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
+                    else:
+                        acc = tl.dot(x.to(tl.float32), a.to(tl.float32), acc, input_precision="ieee")
+                elif TRANS:
+                    acc = tl.dot(a, x, acc)
+                else:
+                    acc = tl.dot(x, a, acc)
             elif UPCAST:
                 if TRANS:
                     acc = tl.dot(a.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
@@ -232,7 +243,11 @@ _SPLIT_OVERRIDE: dict = {}
 # 128x128x32 (8 warps, 4 stages) transposed 0.13 / 0.13 / 0.38 / 0.37 ms vs 0.23 / 0.23 / 0.46 / 0.68 ms in row tiles
 # for 4096x4096 / 1024x4096 / 12288x4096 / 4096x12288, same error (1.4e-7 .. 2.2e-7). Transposed tiles with
 # BLOCK_K = 64 gave ~1e-3 relative errors on Triton 3.6 and are not used; fp32 mode gains < 7%: row tiles kept.
-_TRANS = {_MODE_SPLIT: True, _MODE_FP32: False}
+_TRANS = {_MODE_SPLIT: True, _MODE_FP32: False, _MODE_HALF: False}
+# pure half-precision W and A (bf16 training): U as one half-precision tensor-core product. Every product of two
+# bf16/fp16 values is exact in fp32 and the accumulation is fp32, like the tf32x3 path on upcast operands (which
+# spends six tf32 products' time on the same exact values).
+_HALF_DIRECT = True
 _TRANS_SPLIT_CFG = (128, 128, 32, 8, 4, True)
 
 
@@ -251,14 +266,14 @@ def _gram_config(rows: int, R: int, device: torch.device, mode: int, gram_of_a: 
         return _TRANS_SPLIT_CFG  # the one measured configuration, for every shape (rows and rank tiles masked)
     block_r = min(128, max(16, _next_pow2(R)))
     n_r = _launch.cdiv(R, block_r)
-    cands = (256, 128, 64, 32, 16) if mode == _MODE_SPLIT else (128, 64, 32, 16)
+    cands = (256, 128, 64, 32, 16) if mode != _MODE_FP32 else (128, 64, 32, 16)
     block_o = 16
     for cand in cands:
         if _launch.cdiv(rows, cand) * n_r * 2 >= _num_sms(device):
             block_o = cand
             break
     block_o = max(16, min(block_o, _next_pow2(rows)))
-    block_k = 64 if mode == _MODE_SPLIT else 32
+    block_k = 64 if mode != _MODE_FP32 else 32
     warps = 8 if block_o * block_r >= 128 * 128 else 4
     return block_o, block_r, block_k, warps, 3, _TRANS[mode]
 
@@ -283,6 +298,8 @@ def _gram(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, base: Optional[to
     R = a.shape[0]
     if x.dtype == torch.bfloat16 and a.dtype == torch.float32 and not gram_of_a:
         mode = _MODE_SPLIT
+    elif x.dtype in (torch.bfloat16, torch.float16) and a.dtype == x.dtype and not gram_of_a and _HALF_DIRECT:
+        mode = _MODE_HALF
     else:
         # fp32 operands (half-precision tiles upcast in registers) with tf32x3. Measured on the H200
         # (benchmarks/results/kernels_h200_run{1,2,3}.json, tests/test_kernels_gpu.py): a single bf16 or tf32
