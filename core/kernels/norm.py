@@ -141,9 +141,12 @@ if AVAILABLE:
                     else:
                         acc = tl.dot(x.to(tl.float32), a.to(tl.float32), acc, input_precision="ieee")
                 elif TRANS:
-                    acc = tl.dot(a, x, acc)
+                    acc += tl.dot(a, x)
                 else:
-                    acc = tl.dot(x, a, acc)
+                    # one BLOCK_K-long tensor-core product per step, added to the fp32 accumulator on the CUDA
+                    # cores: chaining the tensor-core accumulator over all of d_in lost 3e-5..7e-5 (relative norm
+                    # error, H200) - its internal accumulation is not IEEE fp32
+                    acc += tl.dot(x, a)
             elif UPCAST:
                 if TRANS:
                     acc = tl.dot(a.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
@@ -244,9 +247,10 @@ _SPLIT_OVERRIDE: dict = {}
 # for 4096x4096 / 1024x4096 / 12288x4096 / 4096x12288, same error (1.4e-7 .. 2.2e-7). Transposed tiles with
 # BLOCK_K = 64 gave ~1e-3 relative errors on Triton 3.6 and are not used; fp32 mode gains < 7%: row tiles kept.
 _TRANS = {_MODE_SPLIT: True, _MODE_FP32: False, _MODE_HALF: False}
-# pure half-precision W and A (bf16 training): U as one half-precision tensor-core product. Every product of two
-# bf16/fp16 values is exact in fp32 and the accumulation is fp32, like the tf32x3 path on upcast operands (which
-# spends six tf32 products' time on the same exact values).
+# pure half-precision W and A (bf16 training): U as one half-precision tensor-core product per K block (every
+# product of two bf16/fp16 values is exact), the blocks summed in fp32 on the CUDA cores, instead of tf32x3 on
+# upcast operands (six tf32 products' time for the same exact values). A single product chained over all of d_in
+# measured 3e-5..7e-5 relative norm error on the H200 (tests/test_kernels_gpu.py, session-10 call 4: failed).
 _HALF_DIRECT = True
 _TRANS_SPLIT_CFG = (128, 128, 32, 8, 4, True)
 
