@@ -48,7 +48,6 @@ _W_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # dot modes of _norm_gram_kernel
 _MODE_FP32 = 0  # both operands to fp32, PREC input precision
 _MODE_SPLIT = 1  # half-precision X, fp32 A split into hi + mid + lo in X's dtype
-_MODE_HALF = 2  # X and A in the same half dtype: one tensor-core product (exact products, fp32 accumulation)
 
 if AVAILABLE:
 
@@ -134,19 +133,6 @@ if AVAILABLE:
                     acc = tl.dot(x, lo, acc)
                     acc = tl.dot(x, mid, acc)
                     acc = tl.dot(x, hi, acc)
-            elif MODE == 2:
-                if UPCAST:
-                    if TRANS:
-                        acc = tl.dot(a.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
-                    else:
-                        acc = tl.dot(x.to(tl.float32), a.to(tl.float32), acc, input_precision="ieee")
-                elif TRANS:
-                    acc += tl.dot(a, x)
-                else:
-                    # one BLOCK_K-long tensor-core product per step, added to the fp32 accumulator on the CUDA
-                    # cores: chaining the tensor-core accumulator over all of d_in lost 3e-5..7e-5 (relative norm
-                    # error, H200) - its internal accumulation is not IEEE fp32
-                    acc += tl.dot(x, a)
             elif UPCAST:
                 if TRANS:
                     acc = tl.dot(a.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
@@ -246,12 +232,7 @@ _SPLIT_OVERRIDE: dict = {}
 # 128x128x32 (8 warps, 4 stages) transposed 0.13 / 0.13 / 0.38 / 0.37 ms vs 0.23 / 0.23 / 0.46 / 0.68 ms in row tiles
 # for 4096x4096 / 1024x4096 / 12288x4096 / 4096x12288, same error (1.4e-7 .. 2.2e-7). Transposed tiles with
 # BLOCK_K = 64 gave ~1e-3 relative errors on Triton 3.6 and are not used; fp32 mode gains < 7%: row tiles kept.
-_TRANS = {_MODE_SPLIT: True, _MODE_FP32: False, _MODE_HALF: False}
-# pure half-precision W and A (bf16 training): U as one half-precision tensor-core product per K block (every
-# product of two bf16/fp16 values is exact), the blocks summed in fp32 on the CUDA cores, instead of tf32x3 on
-# upcast operands (six tf32 products' time for the same exact values). A single product chained over all of d_in
-# measured 3e-5..7e-5 relative norm error on the H200 (tests/test_kernels_gpu.py, session-10 call 4: failed).
-_HALF_DIRECT = True
+_TRANS = {_MODE_SPLIT: True, _MODE_FP32: False}
 _TRANS_SPLIT_CFG = (128, 128, 32, 8, 4, True)
 
 
@@ -270,14 +251,14 @@ def _gram_config(rows: int, R: int, device: torch.device, mode: int, gram_of_a: 
         return _TRANS_SPLIT_CFG  # the one measured configuration, for every shape (rows and rank tiles masked)
     block_r = min(128, max(16, _next_pow2(R)))
     n_r = _launch.cdiv(R, block_r)
-    cands = (256, 128, 64, 32, 16) if mode != _MODE_FP32 else (128, 64, 32, 16)
+    cands = (256, 128, 64, 32, 16) if mode == _MODE_SPLIT else (128, 64, 32, 16)
     block_o = 16
     for cand in cands:
         if _launch.cdiv(rows, cand) * n_r * 2 >= _num_sms(device):
             block_o = cand
             break
     block_o = max(16, min(block_o, _next_pow2(rows)))
-    block_k = 64 if mode != _MODE_FP32 else 32
+    block_k = 64 if mode == _MODE_SPLIT else 32
     warps = 8 if block_o * block_r >= 128 * 128 else 4
     return block_o, block_r, block_k, warps, 3, _TRANS[mode]
 
@@ -302,13 +283,14 @@ def _gram(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, base: Optional[to
     R = a.shape[0]
     if x.dtype == torch.bfloat16 and a.dtype == torch.float32 and not gram_of_a:
         mode = _MODE_SPLIT
-    elif x.dtype in (torch.bfloat16, torch.float16) and a.dtype == x.dtype and not gram_of_a and _HALF_DIRECT:
-        mode = _MODE_HALF
     else:
         # fp32 operands (half-precision tiles upcast in registers) with tf32x3. Measured on the H200
         # (benchmarks/results/kernels_h200_run{1,2,3}.json, tests/test_kernels_gpu.py): a single bf16 or tf32
         # tensor-core product accumulated over d_in gave ~1e-5 relative norm error even on exactly representable
-        # operands, tf32x3 and the bf16 hi/mid/lo split stay at fp32 level (~1e-7).
+        # operands, tf32x3 and the bf16 hi/mid/lo split stay at fp32 level (~1e-7). Re-measured in session 10 for
+        # bf16/fp16 W and A (benchmarks/results/h200x2_2026-11-30_s10/gpu_tests_half_direct.log): one half-precision
+        # product per K block, chained or added per block (Triton folds the add back into the chain), is 6.6x faster
+        # (0.144 vs 0.95 ms at 8192x8192 r=384) but 3e-5..7e-5 relative norm error vs eager 4e-8..7e-8: not used.
         mode = _MODE_FP32
     prec = "tf32x3"
     block_o, block_r, block_k, warps, stages, trans = _gram_config(rows, R, x.device, mode, gram_of_a)
