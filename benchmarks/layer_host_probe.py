@@ -9,6 +9,9 @@ rounds):
 - ``fastdora_eager``: fastdora's exact PyTorch path (``kernels="eager"``), what runs without Triton
 - ``fastdora_stub``:  fastdora's Triton path with the two kernel launchers replaced by ``empty_like`` outputs: the
                       Python/autograd cost of the kernel path itself, launches excluded
+- ``fastdora_kpath``: fastdora's Triton path with its real launcher-side Python (checks, allocations, configs, the
+                      autograd node) and only the three kernel launches (forward, backward, dm reduction) replaced by
+                      no-ops: the closest CPU proxy of the kernel path's host cost
 - ``peft_dora``:      stock PEFT DoRA
 - with ``--old-pkg DIR``: ``old_eager`` / ``old_stub``, the same for the fastdora package in ``DIR/fastdora`` (e.g.
   an earlier commit's ``core/``), imported under another name into the same process (before/after, interleaved)
@@ -88,15 +91,24 @@ def worker(a):
     pkgs = {"fastdora": importlib.import_module("fastdora")}
     if a.old_pkg:
         pkgs["old"] = _load_as(a.old_pkg, "fastdora_old")
-    variants = ["lora", "peft_dora"] + [f"{label}_{k}" for label in pkgs for k in ("eager", "stub")]
-    stub_on = {}  # package label -> [flag]: its dispatch returns the stub while that package's stub model runs
+    kinds = ("eager", "stub") + (("kpath",) if a.kpath else ())
+    variants = ["lora", "peft_dora"] + [f"{label}_{k}" for label in pkgs for k in kinds]
+    stub_on = {}  # package label -> [mode]: its dispatch returns the stub / kernel path while that model runs
     for label, pkg in pkgs.items():
         dispatch = importlib.import_module(pkg.__name__ + ".dispatch")
         oc = importlib.import_module(pkg.__name__ + ".ops.compose")
-        flag, stub, real = [False], _stub_impl(oc), dispatch.compose_impl
+        kpath = None
+        if a.kpath:
+            kc = importlib.import_module(pkg.__name__ + ".kernels.compose")
+            for launcher in ("_FWD", "_BWD", "_RED"):
+                setattr(kc, launcher, lambda *args, **kw: None)
+            kpath = kc.TRITON
+        flag, stub, real = [None], _stub_impl(oc), dispatch.compose_impl
 
-        def pick(*args, _flag=flag, _stub=stub, _real=real, **kw):
-            return _stub if _flag[0] else _real(*args, **kw)
+        def pick(*args, _flag=flag, _stub=stub, _real=real, _kpath=kpath, **kw):
+            if _flag[0] == "stub":
+                return _stub
+            return _kpath if _flag[0] == "kpath" else _real(*args, **kw)
 
         dispatch.compose_impl = pick
         stub_on[label] = flag
@@ -116,9 +128,10 @@ def worker(a):
 
     def call(v):
         pm = models[v]
-        flag = stub_on.get(v.rsplit("_", 1)[0]) if v.endswith("_stub") else None
+        kind = v.rsplit("_", 1)[-1]
+        flag = stub_on.get(v.rsplit("_", 1)[0]) if kind in ("stub", "kpath") else None
         if flag is not None:
-            flag[0] = True
+            flag[0] = kind
         try:
             if a.mode == "train":
                 with ctx():
@@ -129,7 +142,7 @@ def worker(a):
                     pm(x)
         finally:
             if flag is not None:
-                flag[0] = False
+                flag[0] = None
 
     for v in variants:  # warm-up: norms cached, allocator warm
         for _ in range(50):
@@ -156,6 +169,7 @@ def main():
     p.add_argument("--setups", default="fp32,amp,bf16")
     p.add_argument("--modes", default="train,infer")
     p.add_argument("--old-pkg", default=None, help="a folder holding another fastdora package (before/after)")
+    p.add_argument("--kpath", action="store_true", help="add the *_kpath variants (needs Triton importable)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--d", type=int, default=64)
     p.add_argument("--rank", type=int, default=8)
@@ -172,7 +186,7 @@ def main():
             res = a.out + f".{setup}.{mode}.part"
             cmd = [sys.executable, __file__, "--worker", "--result", res, "--setup", setup, "--mode", mode] + [
                 x for k in ("layers", "d", "rank", "tokens", "rounds", "iters") for x in (f"--{k}", str(getattr(a, k)))
-            ] + (["--old-pkg", os.path.abspath(a.old_pkg)] if a.old_pkg else [])
+            ] + (["--old-pkg", os.path.abspath(a.old_pkg)] if a.old_pkg else []) + (["--kpath"] if a.kpath else [])
             subprocess.check_call(cmd)
             with open(res) as f:
                 r = json.load(f)

@@ -95,9 +95,12 @@ def _ensure_hooks(mag: nn.Module) -> None:
         mag.__dict__["_fastdora_load_hook"] = True
 
 
+_DIST_AVAILABLE = torch.distributed.is_available()
+
+
 def active() -> bool:
     """True while torch.distributed is initialized: every engine (and DDP) initializes it first."""
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
+    return _DIST_AVAILABLE and torch.distributed.is_initialized()
 
 
 # ------------------------------------------------------------------------------------------------ engine helpers

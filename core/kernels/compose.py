@@ -322,14 +322,18 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CONTIG = torch.contiguous_format
 
 
-def _rows(t: torch.Tensor, N: int) -> torch.Tensor:
-    """``t`` as an ``[M, N]`` view with unit column stride (copies only when no such view exists)."""
-    if t.dim() == 0 or t.stride(-1) != 1:
-        t = t.contiguous()
+def _rows(t: torch.Tensor, N: int) -> tuple[torch.Tensor, int]:
+    """``(u, row_stride)``: ``u``'s data pointer starts an ``[M, N]`` matrix with unit column stride and the given row
+    stride (the launchers pass only pointers and strides). A contiguous ``t`` is used as it is (no view: this runs
+    several times per layer call); otherwise a view, or a copy only where no such view exists."""
+    if t.is_contiguous():
+        return t, N
+    if t.stride(-1) != 1:
+        return t.contiguous(), N
     t2 = t.reshape(-1, N)
     if t2.stride(-1) != 1:  # pragma: no cover - reshape of a unit-stride last dim keeps it
         t2 = t2.contiguous()
-    return t2
+    return t2, t2.stride(0)
 
 
 def _vec(t: torch.Tensor) -> torch.Tensor:
@@ -338,7 +342,10 @@ def _vec(t: torch.Tensor) -> torch.Tensor:
 
 
 def _kernel_ok(*tensors: Optional[torch.Tensor]) -> bool:
-    return all(t is None or t.dtype in _KERNEL_DTYPES for t in tensors)
+    for t in tensors:  # a plain loop: a generator expression costs several microseconds per call here
+        if t is not None and t.dtype not in _KERNEL_DTYPES:
+            return False
+    return True
 
 
 def compose_fwd(result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, save_inner, feature_dim=-1):
@@ -364,10 +371,9 @@ def compose_fwd(result, lora, magnitude, norm, scale, eps, bias, base_delta, out
     M = result.numel() // N if N else 0
     if M == 0 or N == 0:
         return y, inner
-    r2, l2 = _rows(result, N), _rows(lora, N)
-    d2 = _rows(base_delta, N) if base_delta is not None else r2
-    y2 = y.view(-1, N)
-    i2 = inner.view(-1, N) if inner is not None else y2
+    (r2, rs), (l2, ls) = _rows(result, N), _rows(lora, N)
+    d2, ds = _rows(base_delta, N) if base_delta is not None else (r2, rs)
+    i2 = inner if inner is not None else y  # y and inner: fresh contiguous tensors, row stride N
     mag, nrm = _vec(magnitude), _vec(norm)
     b = _vec(bias) if bias is not None else mag
     block_m, block_n, warps = _fwd_config(M, N, result.device)
@@ -375,8 +381,8 @@ def compose_fwd(result, lora, magnitude, norm, scale, eps, bias, base_delta, out
     with _launch.device_ctx(result):
         _FWD(
             grid,
-            (r2, l2, d2, b, mag, nrm, y2, i2),
-            (M, N, r2.stride(0), l2.stride(0), d2.stride(0), y2.stride(0), i2.stride(0)),
+            (r2, l2, d2, b, mag, nrm, y, i2),
+            (M, N, rs, ls, ds, N, N),
             (float(scale), float(eps)),
             (bias is not None, base_delta is not None, bool(save_inner), not result.is_cuda, block_m, block_n),
             warps,
@@ -426,11 +432,12 @@ def compose_bwd(
         if d_bias is not None:
             d_bias.zero_()
         return d_result, d_lora, d_bd, dm, d_bias
-    dy2 = _rows(dy, N)
-    in2 = _rows(inner, N) if need_dm else dy2
-    dres2 = d_result.view(-1, N) if write_dres else dy2
-    dl2 = d_lora.view(-1, N) if d_lora is not None else dy2
-    dbd2 = d_bd.view(-1, N) if d_bd is not None else dy2
+    dy2, dys = _rows(dy, N)
+    in2, ins = _rows(inner, N) if need_dm else (dy2, dys)
+    # outputs: fresh contiguous tensors (row stride N); an output not written gets dy's pointer (never stored to)
+    dres2, dres_s = (d_result, N) if write_dres else (dy2, dys)
+    dl2, dl_s = (d_lora, N) if d_lora is not None else (dy2, dys)
+    dbd2, dbd_s = (d_bd, N) if d_bd is not None else (dy2, dys)
     mag, nrm = _vec(magnitude), _vec(norm)
     block_m, block_n, warps, rows_per_prog, prefetch = _bwd_config(M, N, dev)
     n_parts = _cdiv(M, rows_per_prog)
@@ -442,7 +449,7 @@ def compose_bwd(
         _BWD(
             grid,
             (dy2, in2, mag, nrm, dres2, dl2, dbd2, part_dm, part_db),
-            (M, N, rows_per_prog, dy2.stride(0), in2.stride(0), dres2.stride(0), dl2.stride(0), dbd2.stride(0)),
+            (M, N, rows_per_prog, dys, ins, dres_s, dl_s, dbd_s),
             (float(scale), float(eps)),
             (bool(delta_form), write_dres, d_lora is not None, bool(need_dm), need_dbias, soft, prefetch,
              block_m, block_n),
