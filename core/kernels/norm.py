@@ -276,9 +276,10 @@ def _g_split(R: int, K: int, capacity: int, device: torch.device) -> int:
 
 
 def _gram(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, base: Optional[torch.Tensor], upcast: bool,
-          gram_of_a: bool = False, split: int = 1) -> None:
+          gram_of_a: bool = False, split: int = 1) -> int:
     """out = x @ a^T (fp32), and base = rowsum(x^2) when given. ``split > 1`` (G only): ``out`` is
-    ``[split, rows, R]`` contiguous and receives the partial products of ``split`` equal K ranges."""
+    ``[split, rows, R]`` contiguous and receives the partial products of up to ``split`` equal K ranges; returns the
+    number of ranges used (K ranges are whole BLOCK_K multiples, so it can be smaller)."""
     rows, K = x.shape
     R = a.shape[0]
     if x.dtype == torch.bfloat16 and a.dtype == torch.float32 and not gram_of_a:
@@ -289,8 +290,9 @@ def _gram(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, base: Optional[to
         # tensor-core product accumulated over d_in gave ~1e-5 relative norm error even on exactly representable
         # operands, tf32x3 and the bf16 hi/mid/lo split stay at fp32 level (~1e-7). Re-measured in session 10 for
         # bf16/fp16 W and A (benchmarks/results/h200x2_2026-11-30_s10/gpu_tests_half_direct.log): one half-precision
-        # product per K block, chained or added per block (Triton folds the add back into the chain), is 6.6x faster
-        # (0.144 vs 0.95 ms at 8192x8192 r=384) but 3e-5..7e-5 relative norm error vs eager 4e-8..7e-8: not used.
+        # product per K block, chained through the accumulator or added to it per block (same time and error: the
+        # add was probably folded back into the chain), is 6.6x faster (0.144 vs 0.95 ms at 8192x8192 r=384) but
+        # had 3e-5..7e-5 relative norm error vs eager 4e-8..7e-8 in the GPU envelope tests: not used.
         mode = _MODE_FP32
     prec = "tf32x3"
     block_o, block_r, block_k, warps, stages, trans = _gram_config(rows, R, x.device, mode, gram_of_a)
