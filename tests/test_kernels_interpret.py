@@ -348,6 +348,23 @@ else:
         torch.testing.assert_close(nk, ne, rtol=2e-5, atol=1e-6)
         torch.testing.assert_close(nk2, ne, rtol=2e-5, atol=1e-6)
         _envelope(nk, ne, dense, torch.float32, "norm")
+        # no extra memory: the partial G's are written into U's buffer (the U launch overwrites them afterwards)
+        outs = []
+        real_gram = kn._gram
+
+        def spy(x, a, out, *args, **kw):
+            outs.append(out)
+            return real_gram(x, a, out, *args, **kw)
+
+        kn._SPLIT_OVERRIDE["G"] = 3
+        kn._gram = spy
+        try:
+            kn.factored_norm_triton(W, A, B, s)
+        finally:
+            kn._gram = real_gram
+            kn._SPLIT_OVERRIDE.clear()
+        assert [tuple(o.shape) for o in outs] == [(3, r, r), (d_out, r)]
+        assert outs[0].untyped_storage().data_ptr() == outs[1].untyped_storage().data_ptr()
         G = torch.empty(3, r, r)  # the partial products themselves sum to A A^T
         kn._gram(A, A, G, None, True, gram_of_a=True, split=3)
         torch.testing.assert_close(G.sum(0).double(), A.double() @ A.double().T, rtol=1e-5, atol=1e-6)
