@@ -205,6 +205,15 @@ def _peft_dense_norm(W, A, B, s):
     return torch.linalg.norm(w, dim=1).to(w.dtype)
 
 
+def _rel_to_dense(W, A, B, s):
+    """``rel(norm)``: relative error of a row norm against the dense fp64 ``||W + s·B·A||`` (1024-row chunks)."""
+    d_out = W.shape[0]
+    ref = torch.empty(d_out, device=W.device, dtype=torch.float64)
+    for o in range(0, d_out, 1024):
+        ref[o:o + 1024] = torch.linalg.norm(W[o:o + 1024].double() + s * B[o:o + 1024].double() @ A.double(), dim=1)
+    return lambda x: ((x.double() - ref).norm() / ref.norm()).item()
+
+
 def sec_norm():
     rows = []
     for d_out, d_in, r, wd, ad in NORM_CASES:
@@ -235,14 +244,10 @@ def sec_norm():
         except torch.OutOfMemoryError:
             row["peft_mem"] = "OOM"
         # accuracy vs a dense fp64 reference (row chunks)
-        ref = torch.empty(d_out, device=DEV, dtype=torch.float64)
-        for o in range(0, d_out, 1024):
-            ref[o:o + 1024] = torch.linalg.norm(W[o:o + 1024].double() + s * B[o:o + 1024].double() @ A.double(),
-                                                dim=1)
-        rel = lambda x: ((x.double() - ref).norm() / ref.norm()).item()  # noqa: E731
+        rel = _rel_to_dense(W, A, B, s)
         row["triton_relerr"], row["eager_relerr"] = rel(nt), rel(ne)
         rows.append(row)
-        del W, A, B, nt, bt, ne, be, ref
+        del W, A, B, nt, bt, ne, be, rel
         _free()
     RESULTS["norm"] = rows
     return rows
@@ -304,7 +309,6 @@ def sec_norm_variants():
     res = []
     cases = [(d_out, d_in, 384, "bf16", "fp32") for d_out, d_in in QWEN_SHAPES]
     cases += [(12288, 4096, 384, "bf16", "bf16"), (4096, 4096, 384, "bf16", "bf16"), (4096, 4096, 16, "bf16", "fp32")]
-    saved_trans = dict(kn._TRANS)
     try:
         for d_out, d_in, r, wd, ad in cases:
             g = torch.Generator(device=DEV).manual_seed(r)
@@ -312,11 +316,7 @@ def sec_norm_variants():
             A = (torch.randn(r, d_in, device=DEV, generator=g) / d_in ** 0.5).to(_DT[ad])
             B = (torch.randn(d_out, r, device=DEV, generator=g) * 0.05).to(_DT[ad])
             s = 2.0 / math.sqrt(r) * 8
-            ref = torch.empty(d_out, device=DEV, dtype=torch.float64)
-            for o in range(0, d_out, 1024):
-                ref[o:o + 1024] = torch.linalg.norm(
-                    W[o:o + 1024].double() + s * B[o:o + 1024].double() @ A.double(), dim=1)
-            rel = lambda x: ((x.double() - ref).norm() / ref.norm()).item()  # noqa: E731
+            rel = _rel_to_dense(W, A, B, s)
             row = {"shape": [d_out, d_in], "r": r, "W": wd, "AB": ad}
             mode = kn._MODE_SPLIT if (wd, ad) == ("bf16", "fp32") else kn._MODE_FP32
             U = torch.empty(d_out, r, device=DEV)
@@ -352,11 +352,10 @@ def sec_norm_variants():
             row["eager_relerr"] = rel(ne)
             res.append(row)
             print(json.dumps(row, default=str)[:1500], flush=True)
-            del W, A, B, U, base, G, parts, ref
+            del W, A, B, U, base, G, parts, rel
             _free()
     finally:
         kn._CONFIG_OVERRIDE.clear()
-        kn._TRANS.update(saved_trans)
     RESULTS["norm_variants"] = res
     return res
 
