@@ -370,6 +370,52 @@ else:
         torch.testing.assert_close(G.sum(0).double(), A.double() @ A.double().T, rtol=1e-5, atol=1e-6)
         assert not torch.equal(G[0], G[1])
 
+    def test_norm_product_modes():
+        """U = W A^T with bf16 W: an fp32 A split into 1, 2 or 3 bf16 parts (error vs fp64 shrinks ~256x per part,
+        3 parts at fp32 level), and W and A in the same half dtype as one exact product (``_ONE_PRODUCT_HALF``)."""
+        d_out, d_in, r = 37, 200, 10
+        gen = torch.Generator().manual_seed(11)
+        W = (torch.randn(d_out, d_in, generator=gen) / d_in ** 0.5).to(torch.bfloat16)
+        A = torch.randn(r, d_in, generator=gen) / d_in ** 0.5
+        ref = W.double() @ A.double().T
+        errs = {}
+        saved = kn._SPLIT_PARTS
+        try:
+            for parts in (1, 2, 3):
+                kn._SPLIT_PARTS = parts
+                U = torch.empty(d_out, r)
+                kn._gram(W, A, U, None, True)
+                errs[parts] = ((U.double() - ref).norm() / ref.norm()).item()
+        finally:
+            kn._SPLIT_PARTS = saved
+        assert errs[3] < 1e-6 and errs[2] < 1e-4 and errs[1] < 1e-2, errs
+        assert errs[1] > 30 * errs[2] and errs[2] > 30 * errs[3], errs
+        for hdt in (torch.bfloat16, torch.float16):
+            Wh, Ah = W.to(hdt), A.to(hdt)
+            B = (torch.randn(d_out, r, generator=gen) * 0.3).to(hdt)
+            ne, _ = on.factored_norm_eager(Wh, Ah, B, 1.3)
+            dense = torch.linalg.norm(Wh.double() + 1.3 * B.double() @ Ah.double(), dim=1)
+            consts = []
+            real_launch = kn._GRAM
+
+            def spy(grid, tensors, ints, floats, cs, *rest):
+                consts.append(cs)
+                return real_launch(grid, tensors, ints, floats, cs, *rest)
+
+            kn._ONE_PRODUCT_HALF, kn._GRAM = True, spy
+            try:
+                nk, _ = kn.factored_norm_triton(Wh, Ah, B, 1.3)
+                U = torch.empty(d_out, r)
+                kn._gram(Wh, Ah, U, None, True)
+            finally:
+                kn._ONE_PRODUCT_HALF, kn._GRAM = False, real_launch
+            # (NEED_BASE, MODE, PREC, UPCAST, TRANS, BLOCK_O, BLOCK_R, BLOCK_K, NPARTS): G and U, one product each
+            assert [(c[1], c[-1]) for c in consts] == [(kn._MODE_SPLIT, 1)] * 3, consts
+            assert consts[-1][4:8] == kn._TRANS_SPLIT_CFG[5:6] + kn._TRANS_SPLIT_CFG[:3]
+            torch.testing.assert_close(U.double(), Wh.double() @ Ah.double().T, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(nk, ne, rtol=2e-5, atol=1e-6)
+            _envelope(nk, ne, dense, torch.float32, "norm one product")
+
     def test_norm_supports():
         W = torch.randn(8, 6)
         assert not kn.supports(W.double(), torch.randn(2, 6).double(), torch.randn(8, 2).double())

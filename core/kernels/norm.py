@@ -58,6 +58,7 @@ if AVAILABLE:
         stride_xr, stride_xk, stride_ar, stride_ak, stride_out, stride_split,
         NEED_BASE: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
         TRANS: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+        NPARTS: tl.constexpr,
     ):
         # out[ROWS, R] = X[ROWS, K] @ A[R, K]^T (fp32 accumulation) over the K range of split program_id(1)
         # (out + split * stride_split; K_SPLIT is a multiple of BLOCK_K); base[ROWS] = rowsum(X^2) when NEED_BASE.
@@ -107,31 +108,44 @@ if AVAILABLE:
                 else:
                     base += tl.sum(xf * xf, axis=1)
             if MODE == 1:
-                # A = hi + mid + lo in X's dtype (~24 mantissa bits): three tensor-core products
-                a32 = a.to(tl.float32)
-                hi = a32.to(x.dtype)
-                r1 = a32 - hi.to(tl.float32)
-                mid = r1.to(x.dtype)
-                lo = (r1 - mid.to(tl.float32)).to(x.dtype)
+                # A as NPARTS half-precision parts in X's dtype (hi + mid + lo: ~24 mantissa bits of an fp32 A), one
+                # tensor-core product each; NPARTS == 1 with A already in X's dtype: A itself, exact, one product
+                if NPARTS == 1:
+                    hi = a.to(x.dtype)
+                else:
+                    a32 = a.to(tl.float32)
+                    hi = a32.to(x.dtype)
+                    r1 = a32 - hi.to(tl.float32)
+                    mid = r1.to(x.dtype)
+                    if NPARTS == 3:
+                        lo = (r1 - mid.to(tl.float32)).to(x.dtype)
                 if UPCAST:
                     # Triton interpreter (CPU tensors): fp32 dots (its half-precision dot is unreliable); the
                     # products of the exact half-precision operands equal the tensor-core ones
                     xu = x.to(tl.float32)
                     if TRANS:
-                        acc = tl.dot(lo.to(tl.float32), xu, acc, input_precision="ieee")
-                        acc = tl.dot(mid.to(tl.float32), xu, acc, input_precision="ieee")
+                        if NPARTS == 3:
+                            acc = tl.dot(lo.to(tl.float32), xu, acc, input_precision="ieee")
+                        if NPARTS >= 2:
+                            acc = tl.dot(mid.to(tl.float32), xu, acc, input_precision="ieee")
                         acc = tl.dot(hi.to(tl.float32), xu, acc, input_precision="ieee")
                     else:
-                        acc = tl.dot(xu, lo.to(tl.float32), acc, input_precision="ieee")
-                        acc = tl.dot(xu, mid.to(tl.float32), acc, input_precision="ieee")
+                        if NPARTS == 3:
+                            acc = tl.dot(xu, lo.to(tl.float32), acc, input_precision="ieee")
+                        if NPARTS >= 2:
+                            acc = tl.dot(xu, mid.to(tl.float32), acc, input_precision="ieee")
                         acc = tl.dot(xu, hi.to(tl.float32), acc, input_precision="ieee")
                 elif TRANS:
-                    acc = tl.dot(lo, x, acc)
-                    acc = tl.dot(mid, x, acc)
+                    if NPARTS == 3:
+                        acc = tl.dot(lo, x, acc)
+                    if NPARTS >= 2:
+                        acc = tl.dot(mid, x, acc)
                     acc = tl.dot(hi, x, acc)
                 else:
-                    acc = tl.dot(x, lo, acc)
-                    acc = tl.dot(x, mid, acc)
+                    if NPARTS == 3:
+                        acc = tl.dot(x, lo, acc)
+                    if NPARTS >= 2:
+                        acc = tl.dot(x, mid, acc)
                     acc = tl.dot(x, hi, acc)
             elif UPCAST:
                 if TRANS:
@@ -233,17 +247,28 @@ _SPLIT_OVERRIDE: dict = {}
 # for 4096x4096 / 1024x4096 / 12288x4096 / 4096x12288, same error (1.4e-7 .. 2.2e-7). Transposed tiles with
 # BLOCK_K = 64 gave ~1e-3 relative errors on Triton 3.6 and are not used; fp32 mode gains < 7%: row tiles kept.
 _TRANS = {_MODE_SPLIT: True, _MODE_FP32: False}
+# Products per K block in the split mode (bf16 W, fp32 A): 3 = hi + mid + lo (fp32-level). Benchmarks may set 2.
+_SPLIT_PARTS = 3
+# W and A in the same half dtype: one tensor-core product (True) or fp32 operands with tf32x3 (False)
+_ONE_PRODUCT_HALF = False
+_HALF = (torch.bfloat16, torch.float16)
 _TRANS_SPLIT_CFG = (128, 128, 32, 8, 4, True)
 
 
-def _gram_config(rows: int, R: int, device: torch.device, mode: int, gram_of_a: bool):
+def _gram_config(rows: int, R: int, device: torch.device, mode: int, gram_of_a: bool, nparts: int = 3):
     """(BLOCK_O, BLOCK_R, BLOCK_K, warps, stages, trans), from the sweep in benchmarks/results/kernels_h200_run2.json
     ("norm_sweep", 8192x8192): large row tiles win as long as the grid still covers about half the SMs (split mode
     256x128x64: 0.45 ms vs 0.81 ms for 64x128x64; fp32 mode 128x128x32: 1.26 ms vs 1.35 ms)."""
-    key = "G" if gram_of_a else mode
+    one = mode == _MODE_SPLIT and nparts == 1  # one product of exact half-precision operands
+    key = ("G" if gram_of_a else mode) if not one else ("G1" if gram_of_a else "one")
     if key in _CONFIG_OVERRIDE:
         cfg = tuple(_CONFIG_OVERRIDE[key])
         return cfg if len(cfg) == 6 else cfg + (False,)
+    if one:
+        if gram_of_a:
+            b = min(32, max(16, _next_pow2(R)))
+            return b, b, 32, 4, 3, True
+        return _TRANS_SPLIT_CFG
     if gram_of_a:  # G = A A^T: r x r outputs only, small tiles for parallelism (and split over K, see _g_split)
         b = min(32, max(16, _next_pow2(R)))
         return b, b, 64, 4, 3, False
@@ -282,8 +307,12 @@ def _gram(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, base: Optional[to
     number of ranges used (K ranges are whole BLOCK_K multiples, so it can be smaller)."""
     rows, K = x.shape
     R = a.shape[0]
+    nparts = 3
     if x.dtype == torch.bfloat16 and a.dtype == torch.float32 and not gram_of_a:
-        mode = _MODE_SPLIT
+        mode, nparts = _MODE_SPLIT, _SPLIT_PARTS
+    elif _ONE_PRODUCT_HALF and x.dtype == a.dtype and x.dtype in _HALF:
+        # both operands exact in the same half dtype: one tensor-core product (A as the register operand)
+        mode, nparts = _MODE_SPLIT, 1
     else:
         # fp32 operands (half-precision tiles upcast in registers) with tf32x3. Measured on the H200
         # (benchmarks/results/kernels_h200_run{1,2,3}.json, tests/test_kernels_gpu.py): a single bf16 or tf32
@@ -295,7 +324,7 @@ def _gram(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, base: Optional[to
         # had 3e-5..7e-5 relative norm error vs eager 4e-8..7e-8 in the GPU envelope tests: not used.
         mode = _MODE_FP32
     prec = "tf32x3"
-    block_o, block_r, block_k, warps, stages, trans = _gram_config(rows, R, x.device, mode, gram_of_a)
+    block_o, block_r, block_k, warps, stages, trans = _gram_config(rows, R, x.device, mode, gram_of_a, nparts)
     k_split = _launch.cdiv(_launch.cdiv(K, split), block_k) * block_k
     split = _launch.cdiv(K, k_split)
     out2 = out if out.dim() == 2 else out[0]
@@ -305,7 +334,7 @@ def _gram(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, base: Optional[to
         (x, a, out, base if base is not None else out),
         (rows, R, K, k_split, x.stride(0), x.stride(1), a.stride(0), a.stride(1), out2.stride(0), rows * R),
         (),
-        (base is not None, mode, prec, upcast, bool(trans), block_o, block_r, block_k),
+        (base is not None, mode, prec, upcast, bool(trans), block_o, block_r, block_k, nparts),
         warps,
         stages,
     )
