@@ -7,8 +7,9 @@ Sections (``--sections``, comma separated; default all):
   sweep      block-size alternatives of the forward and backward kernels at one large shape
   norm_variants  (not in the default list) G split over K vs not, U row vs transposed tiles over configurations,
              per Qwen3-8B shape at r=384 (AMP and bf16), with errors vs fp64
-  norm_modes  (not in the default list) product modes of U = W A^T (AMP: 3 vs 2 split products; bf16: tf32x3 vs
-             one bf16 product over tile configurations), U split over K, G = A A^T configurations, errors vs fp64
+  norm_modes  (not in the default list) the whole norm per product mode (AMP: 3 vs 2 split products; bf16: tf32x3
+             vs one bf16 product), accumulation (chained / restarted every 1-4 K blocks) and U split over K, with
+             errors vs fp64; --old-pkg DIR times an earlier package's norm in the same run
   norm       factored-norm kernel: time and working set (max_memory_allocated delta) vs the eager factored norm
              and PEFT's dense formula; relative error vs a dense fp64 reference
   crossover  eager vs fused composition (autograd fwd+bwd and no-grad fwd) from 1K to 64M elements
@@ -362,106 +363,73 @@ def sec_norm_variants():
     return res
 
 
-_ONE_CFGS = [(128, 128, 32, 8, 4, True), (128, 128, 64, 8, 3, True), (128, 128, 64, 8, 3, False),
-             (256, 128, 64, 8, 3, False), (128, 64, 32, 4, 3, True), (64, 128, 32, 4, 4, True)]
-_G_CFGS = [(32, 32, 64, 4, 3, False), (32, 32, 32, 4, 3, True), (64, 64, 64, 4, 3, False), (64, 64, 32, 4, 3, True),
-           (16, 16, 64, 2, 3, False)]
+# (name, module attributes, accumulation (K blocks per iteration, chained), U split over K or None = automatic)
+_AMP_MODES = [("split3 chain", {}, (1, True), None), ("split3 fresh1", {}, (1, False), None),
+              ("split3 fresh2", {}, (2, False), None), ("split3 fresh4", {}, (4, False), None),
+              ("split2 chain", {"_SPLIT_PARTS": 2}, (1, True), None),
+              ("split2 fresh2", {"_SPLIT_PARTS": 2}, (2, False), None),
+              ("split3 chain U1", {}, (1, True), 1), ("split3 chain U4", {}, (1, True), 4)]
+_BF16_MODES = [("tf32x3 chain", {}, (1, True), None), ("tf32x3 fresh2", {}, (2, False), None),
+               ("one chain", {"_ONE_PRODUCT_HALF": True}, (1, True), None),
+               ("one fresh1", {"_ONE_PRODUCT_HALF": True}, (1, False), None),
+               ("one fresh2", {"_ONE_PRODUCT_HALF": True}, (2, False), None),
+               ("one fresh4", {"_ONE_PRODUCT_HALF": True}, (4, False), None)]
+OLD_KN = None  # --old-pkg: an earlier fastdora's kernels.norm, timed side by side
 
 
 def sec_norm_modes():
-    """Product modes of the norm's U = W A^T per Qwen3-8B shape at r=384, each with its relative norm error vs a
-    dense fp64 reference: AMP (bf16 W, fp32 A/B) with the hi/mid/lo split (3 products, default) or hi/mid
-    (2 products); pure bf16 with fp32 operands in tf32x3 (default) or one bf16 product of the exact operands over
-    tile configurations (``_ONE_PRODUCT_HALF``). Also U split over K (partial U's + a fixed-order sum: what a
-    K-split of the small-d_out projections would gain) and G = A A^T tile / split configurations."""
+    """The whole factored norm per Qwen3-8B shape at r=384 under its product / accumulation modes, each with its
+    relative error vs a dense fp64 reference: AMP (bf16 W, fp32 A/B) with the hi/mid/lo split (3 products) or
+    hi/mid (2), pure bf16 with fp32 operands in tf32x3 or one bf16 product of the exact operands; the tensor cores'
+    accumulation chained over the K range or restarted every 1/2/4 K blocks (fp32 adds in between); the U pass split
+    over K automatically, or forced to 1 / 4 ranges. With --old-pkg, the earlier package's norm in the same run."""
     res = []
-    try:
-        for d_out, d_in in QWEN_SHAPES:
-            for wd, ad in (("bf16", "fp32"), ("bf16", "bf16")):
-                r = 384
-                g = torch.Generator(device=DEV).manual_seed(r + d_out)
-                W = (torch.randn(d_out, d_in, device=DEV, generator=g) / d_in ** 0.5).to(_DT[wd])
-                A = (torch.randn(r, d_in, device=DEV, generator=g) / d_in ** 0.5).to(_DT[ad])
-                B = (torch.randn(d_out, r, device=DEV, generator=g) * 0.05).to(_DT[ad])
-                s = 2.0 / math.sqrt(r) * 8
-                rel = _rel_to_dense(W, A, B, s)
-                row = {"shape": [d_out, d_in], "r": r, "W": wd, "AB": ad}
-                ne, base = on.factored_norm_eager(W, A, B, s)
-                row["eager_relerr"] = rel(ne)
-                U = torch.empty(d_out, r, device=DEV)
-                variants = []
-                if ad == "fp32":
-                    variants = [("split3", {"_SPLIT_PARTS": 3}, None), ("split2", {"_SPLIT_PARTS": 2}, None)]
-                else:
-                    variants = [("tf32x3", {"_ONE_PRODUCT_HALF": False}, None)]
-                    variants += [(f"one{list(c)}", {"_ONE_PRODUCT_HALF": True}, c) for c in _ONE_CFGS]
-                row["variants"] = []
-                for name, attrs, cfg in variants:
-                    saved = {k: getattr(kn, k) for k in attrs}
-                    kn._CONFIG_OVERRIDE.clear()
-                    if cfg is not None:
-                        kn._CONFIG_OVERRIDE["one"] = cfg
-                    try:
-                        for k, v in attrs.items():
-                            setattr(kn, k, v)
-                        ms = bench(lambda: kn._gram(W, A, U, None, False), warmup=5, rep=30)
-                        nt, _ = kn.factored_norm_triton(W, A, B, s)
-                        err = rel(nt)
-                        full = bench(lambda: kn.factored_norm_triton(W, A, B, s, base_sq=base), warmup=5, rep=30)
-                    except Exception as e:  # out of resources etc.
-                        ms, err, full = f"{type(e).__name__}: {str(e)[:200]}", None, None
-                    finally:
-                        for k, v in saved.items():
-                            setattr(kn, k, v)
-                        kn._CONFIG_OVERRIDE.clear()
-                    row["variants"].append({"name": name, "U_ms": ms, "norm_cached_base_ms": full, "relerr": err})
-                # U over K splits (default mode): partial U's [S, d_out, r] + one fixed-order sum
-                row["U_ksplit_ms"] = {}
-                for S in (2, 4, 8):
-                    parts = torch.empty(S, d_out, r, device=DEV)
-
-                    def usplit(parts=parts, S=S):
-                        n = kn._gram(W, A, parts, None, False, split=S)
-                        torch.sum(parts[:n], dim=0, out=U)
-
-                    row["U_ksplit_ms"][S] = bench(usplit, warmup=5, rep=30)
-                    del parts
-                # G = A A^T configurations x K splits, error vs fp64
-                G = torch.empty(r, r, device=DEV)
-                G64 = A.double() @ A.double().t()
-                parts = torch.empty(32, r, r, device=DEV)
-                row["G"] = []
-                for one, cfg, S in [(o, c, S) for o in ((False, True) if ad == "bf16" else (False,))
-                                    for c in _G_CFGS for S in (1, 4, 8, 16, 32)]:
-                    kn._ONE_PRODUCT_HALF = one
-                    kn._CONFIG_OVERRIDE.clear()
-                    kn._CONFIG_OVERRIDE["G"] = cfg
-                    kn._CONFIG_OVERRIDE["G1"] = cfg
-
-                    def gfn(S=S):
-                        if S == 1:
-                            kn._gram(A, A, G, None, False, gram_of_a=True)
-                        else:
-                            n = kn._gram(A, A, parts, None, False, gram_of_a=True, split=S)
-                            torch.sum(parts[:n], dim=0, out=G)
-
-                    try:
-                        ms = bench(gfn, warmup=5, rep=30)
-                        gfn()
-                        gerr = ((G.double() - G64).norm() / G64.norm()).item()
-                    except Exception as e:
-                        ms, gerr = f"{type(e).__name__}: {str(e)[:120]}", None
-                    row["G"].append({"one_product": one, "cfg": cfg, "split": S, "ms": ms, "relerr": gerr})
-                kn._ONE_PRODUCT_HALF = False
-                kn._CONFIG_OVERRIDE.clear()
-                res.append(row)
-                print(json.dumps({k: v for k, v in row.items() if k != "G"}, default=str)[:2000], flush=True)
-                best = sorted([x for x in row["G"] if isinstance(x["ms"], float)], key=lambda x: x["ms"])[:3]
-                print("  G best:", json.dumps(best), flush=True)
-                del W, A, B, U, G, G64, parts, rel, ne, base
-                _free()
-    finally:
-        kn._CONFIG_OVERRIDE.clear()
+    for d_out, d_in in QWEN_SHAPES:
+        for wd, ad in (("bf16", "fp32"), ("bf16", "bf16")):
+            r = 384
+            g = torch.Generator(device=DEV).manual_seed(r + d_out)
+            W = (torch.randn(d_out, d_in, device=DEV, generator=g) / d_in ** 0.5).to(_DT[wd])
+            A = (torch.randn(r, d_in, device=DEV, generator=g) / d_in ** 0.5).to(_DT[ad])
+            B = (torch.randn(d_out, r, device=DEV, generator=g) * 0.05).to(_DT[ad])
+            s = 2.0 / math.sqrt(r) * 8
+            rel = _rel_to_dense(W, A, B, s)
+            row = {"shape": [d_out, d_in], "r": r, "W": wd, "AB": ad, "variants": []}
+            ne, base = on.factored_norm_eager(W, A, B, s)
+            row["eager_relerr"] = rel(ne)
+            if OLD_KN is not None:
+                row["old_ms"] = bench(lambda: OLD_KN.factored_norm_triton(W, A, B, s, base_sq=base), warmup=5, rep=30)
+                row["old_relerr"] = rel(OLD_KN.factored_norm_triton(W, A, B, s)[0])
+            for name, attrs, acc, usplit in (_AMP_MODES if ad == "fp32" else _BF16_MODES):
+                saved = {k: getattr(kn, k) for k in attrs}
+                try:
+                    for k, v in attrs.items():
+                        setattr(kn, k, v)
+                    m, nparts = kn._mode_of(W, A, False)
+                    kn._ACC_OVERRIDE[kn._config_key(m, nparts, False)] = acc
+                    kn._ACC_OVERRIDE[kn._config_key(*kn._mode_of(A, A, True), True)] = acc
+                    if usplit is not None:
+                        kn._SPLIT_OVERRIDE["U"] = usplit
+                    ms = bench(lambda: kn.factored_norm_triton(W, A, B, s, base_sq=base), warmup=5, rep=30)
+                    ms_base = bench(lambda: kn.factored_norm_triton(W, A, B, s), warmup=5, rep=30)
+                    nt, bt = kn.factored_norm_triton(W, A, B, s)
+                    err = rel(nt)
+                    nt2, _ = kn.factored_norm_triton(W, A, B, s)
+                    v = {"name": name, "ms": ms, "ms_with_base": ms_base, "relerr": err,
+                         "deterministic": bool(torch.equal(nt, nt2)),
+                         "u_split": kn._u_split(d_out, r, d_in, kn._gram_config(d_out, r, W.device, m, False, nparts),
+                                                W.device) if usplit is None else usplit}
+                except Exception as e:  # out of resources etc.
+                    v = {"name": name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+                finally:
+                    for k, val in saved.items():
+                        setattr(kn, k, val)
+                    kn._ACC_OVERRIDE.clear()
+                    kn._SPLIT_OVERRIDE.clear()
+                row["variants"].append(v)
+            res.append(row)
+            print(json.dumps(row, default=str)[:3000], flush=True)
+            del W, A, B, rel, ne, base
+            _free()
     RESULTS["norm_modes"] = res
     return res
 
@@ -625,14 +593,33 @@ def sec_layer():
 # ------------------------------------------------------------------------------------------------------------ main
 
 
+def _load_old_norm(path: str):
+    """``kernels.norm`` of the fastdora package in ``path/fastdora``, imported under another name."""
+    import importlib.util
+    import os
+
+    pkg_dir = os.path.join(path, "fastdora")
+    spec = importlib.util.spec_from_file_location("fastdora_old", os.path.join(pkg_dir, "__init__.py"),
+                                                  submodule_search_locations=[pkg_dir])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["fastdora_old"] = mod
+    spec.loader.exec_module(mod)
+    import importlib
+
+    return importlib.import_module("fastdora_old.kernels.norm")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--sections", default="copy,compose,sweep,norm,norm_sweep,crossover,layer")
     ap.add_argument("--sweep", default="all", choices=["all", "bwd"], help="which kernels the sweep section tunes")
     ap.add_argument("--rep", type=float, default=100, help="do_bench repetition time (ms) of the compose section")
+    ap.add_argument("--old-pkg", default=None, help="folder with an earlier fastdora package (norm_modes: timed too)")
     a = ap.parse_args()
-    global COMPOSE_REP, SWEEP_WHICH
+    global COMPOSE_REP, SWEEP_WHICH, OLD_KN
+    if a.old_pkg:
+        OLD_KN = _load_old_norm(a.old_pkg)
     COMPOSE_REP = a.rep
     SWEEP_WHICH = a.sweep
     import triton

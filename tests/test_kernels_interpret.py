@@ -348,7 +348,8 @@ else:
         torch.testing.assert_close(nk, ne, rtol=2e-5, atol=1e-6)
         torch.testing.assert_close(nk2, ne, rtol=2e-5, atol=1e-6)
         _envelope(nk, ne, dense, torch.float32, "norm")
-        # no extra memory: the partial G's are written into U's buffer (the U launch overwrites them afterwards)
+        # working set: U = W A^T is never stored; the U pass writes [rank tiles * K ranges, d_out] cross-term partial
+        # sums, and the partial G's fit in U's size
         outs = []
         real_gram = kn._gram
 
@@ -363,12 +364,63 @@ else:
         finally:
             kn._gram = real_gram
             kn._SPLIT_OVERRIDE.clear()
-        assert [tuple(o.shape) for o in outs] == [(3, r, r), (d_out, r)]
-        assert outs[0].untyped_storage().data_ptr() == outs[1].untyped_storage().data_ptr()
+        assert tuple(outs[0].shape) == (3, r, r) and outs[0].numel() <= d_out * r
+        assert outs[1].dim() == 2 and outs[1].shape[1] == d_out and outs[1].numel() < d_out * r
         G = torch.empty(3, r, r)  # the partial products themselves sum to A A^T
         kn._gram(A, A, G, None, True, gram_of_a=True, split=3)
         torch.testing.assert_close(G.sum(0).double(), A.double() @ A.double().T, rtol=1e-5, atol=1e-6)
         assert not torch.equal(G[0], G[1])
+
+    @pytest.mark.parametrize("acc", [(1, True), (1, False), (3, False), (2, True)], ids=str)
+    @pytest.mark.parametrize("dname", ["fp32", "bf16W_fp32AB", "bf16", "bf16_one"])
+    def test_factored_norm_k_split_and_accumulation(dname, acc):
+        """The U pass split over K (cross-term and ||W||^2 partial sums per K range and rank tile, summed in a fixed
+        order by the combine kernel), with chained or per-iteration accumulation over 1..3 K blocks per iteration:
+        same norm and base as the eager path, within the fp64 envelope, and bitwise the same on a second run."""
+        d_out, d_in, r = 45, 333, 20
+        wdt, adt = NORM_DTYPES[dname.replace("_one", "")]
+        gen = torch.Generator().manual_seed(5)
+        W = (torch.randn(d_out, d_in, generator=gen) / d_in ** 0.5).to(wdt)
+        A = (torch.randn(r, d_in, generator=gen) / d_in ** 0.5).to(adt)
+        B = (torch.randn(d_out, r, generator=gen) * 0.3).to(adt)
+        s = 0.9
+        mode, nparts = kn._MODE_FP32, 3
+        if dname == "bf16W_fp32AB":
+            mode = kn._MODE_SPLIT
+        if dname == "bf16_one":
+            mode, nparts = kn._MODE_SPLIT, 1
+        key = kn._config_key(mode, nparts, False)
+        kn._SPLIT_OVERRIDE["U"] = 3
+        kn._ACC_OVERRIDE[key] = acc
+        kn._CONFIG_OVERRIDE[key] = (16, 16, 32, 4, 2, mode == kn._MODE_SPLIT)  # 2 rank tiles, 3 row tiles
+        kn._ONE_PRODUCT_HALF = dname == "bf16_one"
+        launches = []
+        real_launch = kn._GRAM
+
+        def spy(grid, tensors, ints, floats, cs, *rest):
+            launches.append((grid, cs))
+            return real_launch(grid, tensors, ints, floats, cs, *rest)
+
+        kn._GRAM = spy
+        try:
+            nk, bk = kn.factored_norm_triton(W, A, B, s)
+            nk2, bk2 = kn.factored_norm_triton(W, A, B, s)
+            nk3, _ = kn.factored_norm_triton(W, A, B, s, base_sq=bk)
+        finally:
+            kn._GRAM = real_launch
+            kn._SPLIT_OVERRIDE.clear()
+            kn._ACC_OVERRIDE.clear()
+            kn._CONFIG_OVERRIDE.clear()
+            kn._ONE_PRODUCT_HALF = False
+        grid, cs = launches[-1]  # the U pass of the cached-base call
+        assert grid[1] == 3 and cs[-1] is True and cs[-4:-1] == (nparts, acc[0], acc[1]) and cs[1] == mode, (grid, cs)
+        ne, be = on.factored_norm_eager(W, A, B, s)
+        dense = torch.linalg.norm(W.double() + s * B.double() @ A.double(), dim=1)
+        torch.testing.assert_close(bk, be, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(nk, ne, rtol=2e-5, atol=1e-6)
+        torch.testing.assert_close(nk3, ne, rtol=2e-5, atol=1e-6)
+        _envelope(nk, ne, dense, torch.float32, "norm")
+        assert torch.equal(nk, nk2) and torch.equal(bk, bk2)
 
     def test_norm_product_modes():
         """U = W A^T with bf16 W: an fp32 A split into 1, 2 or 3 bf16 parts (error vs fp64 shrinks ~256x per part,
@@ -409,8 +461,8 @@ else:
                 kn._gram(Wh, Ah, U, None, True)
             finally:
                 kn._ONE_PRODUCT_HALF, kn._GRAM = False, real_launch
-            # (NEED_BASE, MODE, PREC, UPCAST, TRANS, BLOCK_O, BLOCK_R, BLOCK_K, NPARTS): G and U, one product each
-            assert [(c[1], c[-1]) for c in consts] == [(kn._MODE_SPLIT, 1)] * 3, consts
+            # (NEED_BASE, MODE, PREC, UPCAST, TRANS, BLOCK_O, BLOCK_R, BLOCK_K, NPARTS, ...): G and U, one product
+            assert [(c[1], c[8]) for c in consts] == [(kn._MODE_SPLIT, 1)] * 3, consts
             assert consts[-1][4:8] == kn._TRANS_SPLIT_CFG[5:6] + kn._TRANS_SPLIT_CFG[:3]
             torch.testing.assert_close(U.double(), Wh.double() @ Ah.double().T, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(nk, ne, rtol=2e-5, atol=1e-6)

@@ -52,18 +52,80 @@ _MODE_SPLIT = 1  # half-precision X, fp32 A split into hi + mid + lo in X's dtyp
 if AVAILABLE:
 
     @triton.jit
+    def _gram_dots(x, a, acc, MODE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, TRANS: tl.constexpr,
+                   NPARTS: tl.constexpr):
+        """acc + the products of one K block: X A^T ([BLOCK_O, BLOCK_R]) or, TRANS, A X^T ([BLOCK_R, BLOCK_O])."""
+        if MODE == 1:
+            # A as NPARTS half-precision parts in X's dtype (hi + mid + lo: ~24 mantissa bits of an fp32 A), one
+            # tensor-core product each; NPARTS == 1 with A already in X's dtype: A itself, exact, one product
+            if NPARTS == 1:
+                hi = a.to(x.dtype)
+            else:
+                a32 = a.to(tl.float32)
+                hi = a32.to(x.dtype)
+                r1 = a32 - hi.to(tl.float32)
+                mid = r1.to(x.dtype)
+                if NPARTS == 3:
+                    lo = (r1 - mid.to(tl.float32)).to(x.dtype)
+            if UPCAST:
+                # Triton interpreter (CPU tensors): fp32 dots (its half-precision dot is unreliable); the
+                # products of the exact half-precision operands equal the tensor-core ones
+                xu = x.to(tl.float32)
+                if TRANS:
+                    if NPARTS == 3:
+                        acc = tl.dot(lo.to(tl.float32), xu, acc, input_precision="ieee")
+                    if NPARTS >= 2:
+                        acc = tl.dot(mid.to(tl.float32), xu, acc, input_precision="ieee")
+                    acc = tl.dot(hi.to(tl.float32), xu, acc, input_precision="ieee")
+                else:
+                    if NPARTS == 3:
+                        acc = tl.dot(xu, lo.to(tl.float32), acc, input_precision="ieee")
+                    if NPARTS >= 2:
+                        acc = tl.dot(xu, mid.to(tl.float32), acc, input_precision="ieee")
+                    acc = tl.dot(xu, hi.to(tl.float32), acc, input_precision="ieee")
+            elif TRANS:
+                if NPARTS == 3:
+                    acc = tl.dot(lo, x, acc)
+                if NPARTS >= 2:
+                    acc = tl.dot(mid, x, acc)
+                acc = tl.dot(hi, x, acc)
+            else:
+                if NPARTS == 3:
+                    acc = tl.dot(x, lo, acc)
+                if NPARTS >= 2:
+                    acc = tl.dot(x, mid, acc)
+                acc = tl.dot(x, hi, acc)
+        elif UPCAST:
+            if TRANS:
+                acc = tl.dot(a.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x.to(tl.float32), a.to(tl.float32), acc, input_precision="ieee")
+        elif TRANS:
+            acc = tl.dot(a.to(tl.float32), x.to(tl.float32), acc, input_precision=PREC)
+        else:
+            acc = tl.dot(x.to(tl.float32), a.to(tl.float32), acc, input_precision=PREC)
+        return acc
+
+    @triton.jit
     def _norm_gram_kernel(
-        x_ptr, a_ptr, out_ptr, base_ptr,
+        x_ptr, a_ptr, out_ptr, base_ptr, b_ptr,
         ROWS, R, K, K_SPLIT,
-        stride_xr, stride_xk, stride_ar, stride_ak, stride_out, stride_split,
+        stride_xr, stride_xk, stride_ar, stride_ak, stride_out, stride_split, stride_bo, stride_br,
+        zero,
         NEED_BASE: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
         TRANS: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-        NPARTS: tl.constexpr,
+        NPARTS: tl.constexpr, GROUP: tl.constexpr, CHAIN: tl.constexpr, CROSS: tl.constexpr,
     ):
-        # out[ROWS, R] = X[ROWS, K] @ A[R, K]^T (fp32 accumulation) over the K range of split program_id(1)
-        # (out + split * stride_split; K_SPLIT is a multiple of BLOCK_K); base[ROWS] = rowsum(X^2) when NEED_BASE.
-        # TRANS computes the transposed tile A @ X^T: the split A parts are the left operand, which Hopper's wgmma
-        # reads from registers, so only X goes through shared memory.
+        # T = X[ROWS, K] @ A[R, K]^T (fp32) over the K range of split program_id(1) (K_SPLIT: a multiple of BLOCK_K).
+        # CROSS: writes rowsum(B * T) of this rank tile, out[split * n_r + rank tile, ROWS] (the cross term's partial
+        # sums: U = W A^T itself is never stored); else the tile itself, out + split * stride_split.
+        # base[split, ROWS] = rowsum(X^2) over the K range when NEED_BASE.
+        # TRANS computes the transposed tile A @ X^T: the A parts are the left operand, which Hopper's wgmma reads
+        # from registers, so only X goes through shared memory.
+        # Each loop iteration handles GROUP K blocks. CHAIN: one accumulator chained through every product of the K
+        # range. Otherwise the products of one iteration go to a fresh accumulator (`zero` is a runtime 0.0, so the
+        # compiler cannot fold the add back into the chain) that is added to the running sum in fp32 registers: the
+        # tensor cores' own accumulation (less exact than fp32 adds over long chains, measured) spans GROUP blocks.
         pid = tl.program_id(0)
         split = tl.program_id(1)
         n_r = tl.cdiv(R, BLOCK_R)
@@ -77,109 +139,89 @@ if AVAILABLE:
             acc = tl.zeros([BLOCK_R, BLOCK_O], dtype=tl.float32)
         else:
             acc = tl.zeros([BLOCK_O, BLOCK_R], dtype=tl.float32)
+        fresh = acc + zero
         base = tl.zeros([BLOCK_O], dtype=tl.float32)
         k_lo = split * K_SPLIT
         k_hi = tl.minimum(K, k_lo + K_SPLIT)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
-            kmask = offs_k < k_hi
-            if TRANS:
-                x = tl.load(  # X^T tile [BLOCK_K, BLOCK_O]
-                    x_ptr + offs_o[None, :] * stride_xr + offs_k[:, None] * stride_xk,
-                    mask=omask[None, :] & kmask[:, None], other=0.0,
-                )
-                a = tl.load(  # [BLOCK_R, BLOCK_K]
-                    a_ptr + offs_r[:, None] * stride_ar + offs_k[None, :] * stride_ak,
-                    mask=rmask[:, None] & kmask[None, :], other=0.0,
-                )
+        for k0 in range(k_lo, k_hi, BLOCK_K * GROUP):
+            if CHAIN:
+                part = acc
             else:
-                x = tl.load(  # [BLOCK_O, BLOCK_K]
-                    x_ptr + offs_o[:, None] * stride_xr + offs_k[None, :] * stride_xk,
-                    mask=omask[:, None] & kmask[None, :], other=0.0,
-                )
-                a = tl.load(  # A^T tile [BLOCK_K, BLOCK_R]
-                    a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
-                    mask=rmask[None, :] & kmask[:, None], other=0.0,
-                )
-            if NEED_BASE:
-                xf = x.to(tl.float32)
+                part = fresh
+            for kk in tl.static_range(GROUP):
+                offs_k = k0 + kk * BLOCK_K + tl.arange(0, BLOCK_K).to(tl.int64)
+                kmask = offs_k < k_hi
                 if TRANS:
-                    base += tl.sum(xf * xf, axis=0)
+                    x = tl.load(  # X^T tile [BLOCK_K, BLOCK_O]
+                        x_ptr + offs_o[None, :] * stride_xr + offs_k[:, None] * stride_xk,
+                        mask=omask[None, :] & kmask[:, None], other=0.0,
+                    )
+                    a = tl.load(  # [BLOCK_R, BLOCK_K]
+                        a_ptr + offs_r[:, None] * stride_ar + offs_k[None, :] * stride_ak,
+                        mask=rmask[:, None] & kmask[None, :], other=0.0,
+                    )
                 else:
-                    base += tl.sum(xf * xf, axis=1)
-            if MODE == 1:
-                # A as NPARTS half-precision parts in X's dtype (hi + mid + lo: ~24 mantissa bits of an fp32 A), one
-                # tensor-core product each; NPARTS == 1 with A already in X's dtype: A itself, exact, one product
-                if NPARTS == 1:
-                    hi = a.to(x.dtype)
-                else:
-                    a32 = a.to(tl.float32)
-                    hi = a32.to(x.dtype)
-                    r1 = a32 - hi.to(tl.float32)
-                    mid = r1.to(x.dtype)
-                    if NPARTS == 3:
-                        lo = (r1 - mid.to(tl.float32)).to(x.dtype)
-                if UPCAST:
-                    # Triton interpreter (CPU tensors): fp32 dots (its half-precision dot is unreliable); the
-                    # products of the exact half-precision operands equal the tensor-core ones
-                    xu = x.to(tl.float32)
+                    x = tl.load(  # [BLOCK_O, BLOCK_K]
+                        x_ptr + offs_o[:, None] * stride_xr + offs_k[None, :] * stride_xk,
+                        mask=omask[:, None] & kmask[None, :], other=0.0,
+                    )
+                    a = tl.load(  # A^T tile [BLOCK_K, BLOCK_R]
+                        a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
+                        mask=rmask[None, :] & kmask[:, None], other=0.0,
+                    )
+                if NEED_BASE:
+                    xf = x.to(tl.float32)
                     if TRANS:
-                        if NPARTS == 3:
-                            acc = tl.dot(lo.to(tl.float32), xu, acc, input_precision="ieee")
-                        if NPARTS >= 2:
-                            acc = tl.dot(mid.to(tl.float32), xu, acc, input_precision="ieee")
-                        acc = tl.dot(hi.to(tl.float32), xu, acc, input_precision="ieee")
+                        base += tl.sum(xf * xf, axis=0)
                     else:
-                        if NPARTS == 3:
-                            acc = tl.dot(xu, lo.to(tl.float32), acc, input_precision="ieee")
-                        if NPARTS >= 2:
-                            acc = tl.dot(xu, mid.to(tl.float32), acc, input_precision="ieee")
-                        acc = tl.dot(xu, hi.to(tl.float32), acc, input_precision="ieee")
-                elif TRANS:
-                    if NPARTS == 3:
-                        acc = tl.dot(lo, x, acc)
-                    if NPARTS >= 2:
-                        acc = tl.dot(mid, x, acc)
-                    acc = tl.dot(hi, x, acc)
-                else:
-                    if NPARTS == 3:
-                        acc = tl.dot(x, lo, acc)
-                    if NPARTS >= 2:
-                        acc = tl.dot(x, mid, acc)
-                    acc = tl.dot(x, hi, acc)
-            elif UPCAST:
-                if TRANS:
-                    acc = tl.dot(a.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(x.to(tl.float32), a.to(tl.float32), acc, input_precision="ieee")
-            elif TRANS:
-                acc = tl.dot(a.to(tl.float32), x.to(tl.float32), acc, input_precision=PREC)
+                        base += tl.sum(xf * xf, axis=1)
+                part = _gram_dots(x, a, part, MODE, PREC, UPCAST, TRANS, NPARTS)
+            if CHAIN:
+                acc = part
             else:
-                acc = tl.dot(x.to(tl.float32), a.to(tl.float32), acc, input_precision=PREC)
-        out_base = out_ptr + split.to(tl.int64) * stride_split
-        if TRANS:
-            tl.store(
-                out_base + offs_o[None, :] * stride_out + offs_r[:, None], acc, mask=rmask[:, None] & omask[None, :]
-            )
+                acc += part
+        if CROSS:
+            if TRANS:
+                b = tl.load(b_ptr + offs_o[None, :] * stride_bo + offs_r[:, None] * stride_br,
+                            mask=rmask[:, None] & omask[None, :], other=0.0).to(tl.float32)
+                c = tl.sum(acc * b, axis=0)
+            else:
+                b = tl.load(b_ptr + offs_o[:, None] * stride_bo + offs_r[None, :] * stride_br,
+                            mask=omask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
+                c = tl.sum(acc * b, axis=1)
+            tl.store(out_ptr + (split * n_r + pid_r).to(tl.int64) * ROWS + offs_o, c, mask=omask)
         else:
-            tl.store(
-                out_base + offs_o[:, None] * stride_out + offs_r[None, :], acc, mask=omask[:, None] & rmask[None, :]
-            )
+            out_base = out_ptr + split.to(tl.int64) * stride_split
+            if TRANS:
+                tl.store(out_base + offs_o[None, :] * stride_out + offs_r[:, None], acc,
+                         mask=rmask[:, None] & omask[None, :])
+            else:
+                tl.store(out_base + offs_o[:, None] * stride_out + offs_r[None, :], acc,
+                         mask=omask[:, None] & rmask[None, :])
         if NEED_BASE:
             if pid_r == 0:
-                tl.store(base_ptr + offs_o, base, mask=omask)
+                tl.store(base_ptr + split.to(tl.int64) * ROWS + offs_o, base, mask=omask)
 
     @triton.jit
     def _norm_combine_kernel(
-        u_ptr, g_ptr, b_ptr, base_ptr, norm_ptr,
-        D, R,
+        cpart_ptr, bpart_ptr, g_ptr, b_ptr, base_out_ptr, norm_ptr,
+        D, R, N_CROSS, N_BASE,
         stride_bo, stride_br,
         two_s, s_sq,
-        PREC: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr,
+        WRITE_BASE: tl.constexpr, PREC: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr,
     ):
+        # norm = sqrt(max(base + 2s * cross + s^2 * rowsum((B G) * B), 0)): cross and base are the sums, in a fixed
+        # order, of the N_CROSS / N_BASE partial rows [*, D] the U pass wrote (base: or the cached row norms, 1 row)
         offs_o = tl.program_id(0).to(tl.int64) * BLOCK_O + tl.arange(0, BLOCK_O).to(tl.int64)
         omask = offs_o < D
         cross = tl.zeros([BLOCK_O], dtype=tl.float32)
+        for p in range(0, N_CROSS):
+            cross += tl.load(cpart_ptr + p * D + offs_o, mask=omask, other=0.0)
+        base = tl.zeros([BLOCK_O], dtype=tl.float32)
+        for p in range(0, N_BASE):
+            base += tl.load(bpart_ptr + p * D + offs_o, mask=omask, other=0.0)
+        if WRITE_BASE:
+            tl.store(base_out_ptr + offs_o, base, mask=omask)
         quad = tl.zeros([BLOCK_O], dtype=tl.float32)
         for j0 in range(0, R, BLOCK_R):
             offs_j = j0 + tl.arange(0, BLOCK_R).to(tl.int64)
@@ -187,8 +229,6 @@ if AVAILABLE:
             m2 = omask[:, None] & jmask[None, :]
             bj = tl.load(b_ptr + offs_o[:, None] * stride_bo + offs_j[None, :] * stride_br, mask=m2, other=0.0)
             bj = bj.to(tl.float32)
-            uj = tl.load(u_ptr + offs_o[:, None] * R + offs_j[None, :], mask=m2, other=0.0)
-            cross += tl.sum(bj * uj, axis=1)
             bg = tl.zeros([BLOCK_O, BLOCK_R], dtype=tl.float32)
             for k0 in range(0, R, BLOCK_R):
                 offs_k = k0 + tl.arange(0, BLOCK_R).to(tl.int64)
@@ -201,7 +241,6 @@ if AVAILABLE:
                              other=0.0)
                 bg = tl.dot(bk, gk, bg, input_precision=PREC)
             quad += tl.sum(bg * bj, axis=1)
-        base = tl.load(base_ptr + offs_o, mask=omask, other=0.0)
         sq = base + two_s * cross + s_sq * quad
         tl.store(norm_ptr + offs_o, tl.sqrt_rn(tl.maximum(sq, 0.0)), mask=omask)
 
@@ -253,26 +292,52 @@ _SPLIT_PARTS = 3
 _ONE_PRODUCT_HALF = False
 _HALF = (torch.bfloat16, torch.float16)
 _TRANS_SPLIT_CFG = (128, 128, 32, 8, 4, True)
+# G = A A^T tiles, from benchmarks/results/h200x2_2026-11-30_s11/norm_modes.json (Qwen3-8B A's at r=384, tf32x3):
+# 64x64x32 transposed tiles split ~16 ways over d_in: 0.035 ms (d_in 4096) / 0.072 ms (12288) vs 0.066 / 0.17 ms for
+# the 32x32x64 row tiles used before, same or lower error
+_G_CFG = (64, 64, 32, 4, 3, True)
+# accumulation per config key (mode, "one", "G", "G1"): (K blocks per loop iteration, chained). Chained: the tensor
+# cores accumulate over the whole K range; not chained: each iteration's products start from zero and are added to
+# the running sum with fp32 adds (see _norm_gram_kernel)
+_ACC_OVERRIDE: dict = {}
+
+
+def _mode_of(x: torch.Tensor, a: torch.Tensor, gram_of_a: bool) -> tuple[int, int]:
+    """(dot mode, products per K block) for X A^T."""
+    if x.dtype == torch.bfloat16 and a.dtype == torch.float32 and not gram_of_a:
+        return _MODE_SPLIT, _SPLIT_PARTS
+    if _ONE_PRODUCT_HALF and x.dtype == a.dtype and x.dtype in _HALF:
+        # both operands exact in the same half dtype: one tensor-core product (A as the register operand)
+        return _MODE_SPLIT, 1
+    # fp32 operands (half-precision tiles upcast in registers) with tf32x3. Measured on the H200
+    # (benchmarks/results/kernels_h200_run{1,2,3}.json, tests/test_kernels_gpu.py): a single bf16 or tf32
+    # tensor-core product accumulated over d_in gave ~1e-5 relative norm error even on exactly representable
+    # operands, tf32x3 and the bf16 hi/mid/lo split stay at fp32 level (~1e-7). Re-measured in session 10 for
+    # bf16/fp16 W and A (benchmarks/results/h200x2_2026-11-30_s10/gpu_tests_half_direct.log): one half-precision
+    # product per K block is 6.6x faster (0.144 vs 0.95 ms at 8192x8192 r=384) but had 3e-5..7e-5 relative norm
+    # error vs eager 4e-8..7e-8; session 11 (norm_modes.json) traced that error to the length of the tensor cores'
+    # accumulation chain (G's error fell 60x from 1 to 32 K splits).
+    return _MODE_FP32, 3
+
+
+def _config_key(mode: int, nparts: int, gram_of_a: bool):
+    if mode == _MODE_SPLIT and nparts == 1:  # one product of exact half-precision operands
+        return "G1" if gram_of_a else "one"
+    return "G" if gram_of_a else mode
 
 
 def _gram_config(rows: int, R: int, device: torch.device, mode: int, gram_of_a: bool, nparts: int = 3):
     """(BLOCK_O, BLOCK_R, BLOCK_K, warps, stages, trans), from the sweep in benchmarks/results/kernels_h200_run2.json
     ("norm_sweep", 8192x8192): large row tiles win as long as the grid still covers about half the SMs (split mode
     256x128x64: 0.45 ms vs 0.81 ms for 64x128x64; fp32 mode 128x128x32: 1.26 ms vs 1.35 ms)."""
-    one = mode == _MODE_SPLIT and nparts == 1  # one product of exact half-precision operands
-    key = ("G" if gram_of_a else mode) if not one else ("G1" if gram_of_a else "one")
+    key = _config_key(mode, nparts, gram_of_a)
     if key in _CONFIG_OVERRIDE:
         cfg = tuple(_CONFIG_OVERRIDE[key])
         return cfg if len(cfg) == 6 else cfg + (False,)
-    if one:
-        if gram_of_a:
-            b = min(32, max(16, _next_pow2(R)))
-            return b, b, 32, 4, 3, True
-        return _TRANS_SPLIT_CFG
-    if gram_of_a:  # G = A A^T: r x r outputs only, small tiles for parallelism (and split over K, see _g_split)
-        b = min(32, max(16, _next_pow2(R)))
-        return b, b, 64, 4, 3, False
-    if mode == _MODE_SPLIT and _TRANS[mode]:
+    if gram_of_a:  # G = A A^T: r x r outputs only (and split over K, see _g_split)
+        b = min(_G_CFG[0], max(16, _next_pow2(R)))
+        return (b, b) + _G_CFG[2:]
+    if mode == _MODE_SPLIT and (nparts == 1 or _TRANS[mode]):
         return _TRANS_SPLIT_CFG  # the one measured configuration, for every shape (rows and rank tiles masked)
     block_r = min(128, max(16, _next_pow2(R)))
     n_r = _launch.cdiv(R, block_r)
@@ -289,9 +354,9 @@ def _gram_config(rows: int, R: int, device: torch.device, mode: int, gram_of_a: 
 
 
 def _g_split(R: int, K: int, capacity: int, device: torch.device) -> int:
-    """Programs over K for G = A A^T. G has only (r/32)^2 tiles (144 at r=384), each a long, latency-bound loop over
+    """Programs over K for G = A A^T. G has only (r/64)^2 tiles (36 at r=384), each a long, latency-bound loop over
     d_in: split K so that about 4 programs per SM run, each at least 2 K blocks long, with the partial G's fitting in
-    ``capacity`` fp32 elements (U's buffer, unused until U is computed: no extra memory)."""
+    ``capacity`` fp32 elements (the size of the U = W A^T the norm never stores: the working set stays below U + G)."""
     if "G" in _SPLIT_OVERRIDE:
         return max(1, min(int(_SPLIT_OVERRIDE["G"]), capacity // (R * R)))
     b, _, block_k = _gram_config(R, R, device, _MODE_FP32, True)[:3]
@@ -300,41 +365,43 @@ def _g_split(R: int, K: int, capacity: int, device: torch.device) -> int:
     return max(1, min(want, K // (2 * block_k), capacity // (R * R), 64))
 
 
+def _u_split(rows: int, R: int, K: int, cfg: tuple, device: torch.device) -> int:
+    """Programs over K for the U = W A^T pass, whose partial results are only [rows] vectors (the cross term's
+    partial sums): enough programs for ~6 per SM on shapes with few output tiles (Qwen3-8B's k/v projections have 24
+    at 128x128), at most 8 ranges of at least 512 columns of W. From norm_modes.json's U split timings (partial U's +
+    a sum there: 1024x4096 0.131 -> 0.038 ms with 8 ranges, 4096x12288 0.385 -> 0.241, 4096x4096 0.132 -> 0.100)."""
+    if "U" in _SPLIT_OVERRIDE:
+        return max(1, int(_SPLIT_OVERRIDE["U"]))
+    tiles = _launch.cdiv(rows, cfg[0]) * _launch.cdiv(R, cfg[1])
+    return max(1, min(8, _launch.cdiv(6 * _num_sms(device), tiles), K // 512))
+
+
 def _gram(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, base: Optional[torch.Tensor], upcast: bool,
-          gram_of_a: bool = False, split: int = 1) -> int:
-    """out = x @ a^T (fp32), and base = rowsum(x^2) when given. ``split > 1`` (G only): ``out`` is
-    ``[split, rows, R]`` contiguous and receives the partial products of up to ``split`` equal K ranges; returns the
-    number of ranges used (K ranges are whole BLOCK_K multiples, so it can be smaller)."""
+          gram_of_a: bool = False, split: int = 1, b: Optional[torch.Tensor] = None) -> int:
+    """out = x @ a^T (fp32), and base = rowsum(x^2) when given. ``split > 1``: ``out`` is ``[split, rows, R]``
+    contiguous and receives the partial products of up to ``split`` equal K ranges (``base``: ``[split, rows]``).
+    With ``b`` (the cross term): ``out`` is ``[split * n_r, rows]`` and receives ``rowsum(b * (x @ a^T))`` per K range
+    and rank tile (n_r = rank tiles of the configuration); the product itself is never stored. Returns the number of
+    ranges used (K ranges are whole BLOCK_K multiples, so it can be smaller than ``split``)."""
     rows, K = x.shape
     R = a.shape[0]
-    nparts = 3
-    if x.dtype == torch.bfloat16 and a.dtype == torch.float32 and not gram_of_a:
-        mode, nparts = _MODE_SPLIT, _SPLIT_PARTS
-    elif _ONE_PRODUCT_HALF and x.dtype == a.dtype and x.dtype in _HALF:
-        # both operands exact in the same half dtype: one tensor-core product (A as the register operand)
-        mode, nparts = _MODE_SPLIT, 1
-    else:
-        # fp32 operands (half-precision tiles upcast in registers) with tf32x3. Measured on the H200
-        # (benchmarks/results/kernels_h200_run{1,2,3}.json, tests/test_kernels_gpu.py): a single bf16 or tf32
-        # tensor-core product accumulated over d_in gave ~1e-5 relative norm error even on exactly representable
-        # operands, tf32x3 and the bf16 hi/mid/lo split stay at fp32 level (~1e-7). Re-measured in session 10 for
-        # bf16/fp16 W and A (benchmarks/results/h200x2_2026-11-30_s10/gpu_tests_half_direct.log): one half-precision
-        # product per K block, chained through the accumulator or added to it per block (same time and error: the
-        # add was probably folded back into the chain), is 6.6x faster (0.144 vs 0.95 ms at 8192x8192 r=384) but
-        # had 3e-5..7e-5 relative norm error vs eager 4e-8..7e-8 in the GPU envelope tests: not used.
-        mode = _MODE_FP32
-    prec = "tf32x3"
+    mode, nparts = _mode_of(x, a, gram_of_a)
     block_o, block_r, block_k, warps, stages, trans = _gram_config(rows, R, x.device, mode, gram_of_a, nparts)
+    group, chain = _ACC_OVERRIDE.get(_config_key(mode, nparts, gram_of_a), (1, True))
     k_split = _launch.cdiv(_launch.cdiv(K, split), block_k) * block_k
     split = _launch.cdiv(K, k_split)
-    out2 = out if out.dim() == 2 else out[0]
     grid = (_launch.cdiv(rows, block_o) * _launch.cdiv(R, block_r), split)
+    cross = b is not None
+    stride_out = rows if cross else (out if out.dim() == 2 else out[0]).stride(0)
+    bb = b if cross else out
     _GRAM(
         grid,
-        (x, a, out, base if base is not None else out),
-        (rows, R, K, k_split, x.stride(0), x.stride(1), a.stride(0), a.stride(1), out2.stride(0), rows * R),
-        (),
-        (base is not None, mode, prec, upcast, bool(trans), block_o, block_r, block_k, nparts),
+        (x, a, out, base if base is not None else out, bb),
+        (rows, R, K, k_split, x.stride(0), x.stride(1), a.stride(0), a.stride(1), stride_out, rows * R,
+         bb.stride(0), bb.stride(-1)),
+        (0.0,),
+        (base is not None, mode, "tf32x3", upcast, bool(trans), block_o, block_r, block_k, nparts, group, chain,
+         cross),
         warps,
         stages,
     )
@@ -350,7 +417,8 @@ def factored_norm_triton(
     budget_bytes: int = 16 << 20,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(norm, base_sq)``, both fp32 ``[d_out]``. ``budget_bytes`` is accepted for interface parity with
-    the eager path; the kernels never allocate more than ``U``, ``G`` and two ``[d_out]`` vectors."""
+    the eager path; the kernels never allocate more than ``U``'s size (partial G's; U itself is never stored), ``G``
+    and a few ``[d_out]`` vectors (the cross term's and ``||W||^2``'s partial sums, the results)."""
     if not supports(weight, lora_A, lora_B):
         from ..ops.norm import factored_norm_eager
 
@@ -359,33 +427,41 @@ def factored_norm_triton(
     r = lora_A.shape[0]
     dev = weight.device
     upcast = not weight.is_cuda  # CPU tensors run only under the Triton interpreter
+    f32 = torch.float32
     with torch.no_grad(), _launch.device_ctx(weight):
         W, A, B = weight.detach(), lora_A.detach(), lora_B.detach()
-        U = torch.empty((d_out, r), dtype=torch.float32, device=dev)
-        G = torch.empty((r, r), dtype=torch.float32, device=dev)
-        norm = torch.empty(d_out, dtype=torch.float32, device=dev)
+        G = torch.empty((r, r), dtype=f32, device=dev)
+        norm = torch.empty(d_out, dtype=f32, device=dev)
         need_base = base_sq is None
-        if need_base:
-            base = torch.empty(d_out, dtype=torch.float32, device=dev)
-        else:
-            base = base_sq.detach().reshape(-1).to(device=dev, dtype=torch.float32).contiguous()
-        split = _g_split(r, d_in, d_out * r, dev)
-        if split > 1:  # partial G's in U's buffer (written by the U pass afterwards), summed in a fixed order
-            parts = U.view(-1)[: split * r * r].view(split, r, r)
-            split = _gram(A, A, parts, None, upcast, gram_of_a=True, split=split)
-            torch.sum(parts[:split], dim=0, out=G)
+        sg = _g_split(r, d_in, d_out * r, dev)
+        if sg > 1:  # partial G's (at most U's size), summed in a fixed order: deterministic
+            parts = torch.empty((sg, r, r), dtype=f32, device=dev)
+            sg = _gram(A, A, parts, None, upcast, gram_of_a=True, split=sg)
+            torch.sum(parts[:sg], dim=0, out=G)
+            del parts
         else:
             _gram(A, A, G, None, upcast, gram_of_a=True)
-        _gram(W, A, U, base if need_base else None, upcast)
+        mode, nparts = _mode_of(W, A, False)
+        cfg = _gram_config(d_out, r, dev, mode, False, nparts)
+        su = _u_split(d_out, r, d_in, cfg, dev)
+        n_r = _launch.cdiv(r, cfg[1])
+        cpart = torch.empty((su * n_r, d_out), dtype=f32, device=dev)
+        if need_base:
+            bpart = torch.empty((su, d_out), dtype=f32, device=dev)
+            base = torch.empty(d_out, dtype=f32, device=dev)
+        else:
+            base = base_sq.detach().reshape(-1).to(device=dev, dtype=f32).contiguous()
+            bpart = base
+        su = _gram(W, A, cpart, bpart if need_base else None, upcast, split=su, b=B)
         block_r = min(64, max(16, _next_pow2(r)))
         block_o = 64 if d_out >= 64 * _num_sms(dev) else 32
         s = float(scale)
         _COMBINE(
             (_launch.cdiv(d_out, block_o),),
-            (U, G, B, base, norm),
-            (d_out, r, B.stride(0), B.stride(1)),
+            (cpart, bpart, G, B, base, norm),
+            (d_out, r, su * n_r, su if need_base else 1, B.stride(0), B.stride(1)),
             (2.0 * s, s * s),
-            ("tf32x3", block_o, block_r),
+            (need_base, "tf32x3", block_o, block_r),
             4,
         )
     return norm, base
