@@ -318,8 +318,8 @@ def plan_configs(plan, layers_q, layers_m):
             add("mistral-small-24b", layers_m, 384, setups=("amp",), variants=("lora", "fastdora", "peft_dora"))
             add("qwen3-8b", layers_q, 768, setups=("amp",), variants=("lora", "fastdora", "peft_dora"))
         return cfgs
-    if plan == "bf16":  # the pure-bf16 r=384 targets alone (LoRA, fastdora, PEFT DoRA)
-        add("qwen3-8b", layers_q, 384, setups=("bf16",), variants=("lora", "fastdora", "peft_dora"))
+    if plan in ("bf16", "amp"):  # one precision's r=384 targets alone (LoRA, fastdora, PEFT DoRA)
+        add("qwen3-8b", layers_q, 384, setups=(plan,), variants=("lora", "fastdora", "peft_dora"))
         return cfgs
     if plan == "r16":  # the no-regression check alone (AMP first)
         add("qwen3-8b", layers_q, 16, setups=("amp",), variants=("peft_dora", "fastdora", "lora"))
@@ -672,7 +672,7 @@ def main():
     p.add_argument("--report", help="regenerate tables/plot from a model_bench.json (or several, comma-separated)")
     p.add_argument("--report-out", help="--report: folder for the merged json / md / png")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
-    p.add_argument("--plan", default="h200", choices=["h200", "targets", "full", "r16", "tiny", "final", "gpu0", "gpu1", "bf16"])
+    p.add_argument("--plan", default="h200", choices=["h200", "targets", "full", "r16", "tiny", "final", "gpu0", "gpu1", "bf16", "amp"])
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test): --plan tiny, short seq")
     p.add_argument("--budget-s", type=float, default=270.0, help="parent: stop launching configs after this")
     p.add_argument("--layers", type=int, default=8, help="decoder layers for Qwen3-8B shapes")

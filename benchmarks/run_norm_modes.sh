@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device call on nvidia-h200-x2 (< 6 min): the norm's product / accumulation modes, and the GPU suite.
-#   GPU 1: the GPU test suite (defaults), then the norm GPU tests again with each candidate mode forced
+#   GPU 1: the GPU test suite (defaults), then (FORCED=1, default) the norm GPU tests again with candidate modes forced
 #   GPU 0: kernels_bench.py --sections norm_modes (time + error vs fp64 per mode; OLD_PKG's norm side by side)
+#   MODEL=1: then the model benchmark's r=384 targets, AMP on GPU 0 and pure bf16 on GPU 1 (LoRA, fastdora, PEFT
+#            DoRA; plans "amp" / "bf16"), merged into $OUT/model_bench.{json,md,png}
 #   bash benchmarks/run_norm_modes.sh [OLD_PKG]     (writes $OUT/norm_modes.json, $OUT/norm_modes.log, test logs)
 set -u
 OUT=${OUT:-$PWD/benchmarks/results/session}
@@ -20,7 +22,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/test_kernels_gpu.py', '-k', 'nor
 }
 ( CUDA_VISIBLE_DEVICES=1 timeout 200 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_gpu_layers.py \
     -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
-  for f in "kn._ACC_OVERRIDE.update({1: (2, False), 'G': (2, False), 0: (2, False)})" \
+  [ "${FORCED:-1}" = 1 ] && for f in "kn._ACC_OVERRIDE.update({1: (2, False), 'G': (2, False), 0: (2, False)})" \
            "kn._ONE_PRODUCT_HALF = True; kn._ACC_OVERRIDE.update({'one': (2, False), 'G1': (2, False)})" \
            "kn._SPLIT_PARTS = 2; kn._ACC_OVERRIDE.update({1: (2, False), 'G': (2, False)})"; do
     echo "== forced: $f"; forced "$f" 2>&1 | grep -E "Error|rel err|passed|failed" | tail -30
@@ -35,8 +37,19 @@ for line in open(sys.argv[1]):
     if not line.startswith('{'):
         print(line.rstrip()[:300]); continue
     r = json.loads(line)
-    print(r['shape'], r['AB'], 'eager %.2g' % r['eager_relerr'], 'old %.4f ms %.2g' % (r['old_ms'], r['old_relerr']) if 'old_ms' in r else '')
+    print(r['shape'], r['AB'], 'eager %.2g' % r['eager_relerr'], 'old %.4f ms (gpu %.4f) %.2g' % (r['old_ms'], r['old_gpu_ms'], r['old_relerr']) if 'old_ms' in r else '')
     for v in r['variants']:
         if 'error' in v: print('   ', v['name'], v['error'][:200]); continue
-        print('    %-16s %.4f ms (+base %.4f)  err %.2g  det %s  usplit %s' % (v['name'], v['ms'], v['ms_with_base'], v['relerr'], v['deterministic'], v['u_split']))
+        print('    %-16s %.4f ms (gpu %.4f, +base %.4f)  err %.2g  det %s  usplit %s' % (v['name'], v['ms'], v['gpu_ms'], v['ms_with_base'], v['relerr'], v['deterministic'], v['u_split']))
 PY
+if [ "${MODEL:-0}" = 1 ]; then
+  (CUDA_VISIBLE_DEVICES=1 python3 benchmarks/model_bench.py --out /tmp/mb1 --plan bf16 --budget-s 200 --repeats 5 \
+    > "$OUT/model_bf16.log" 2>&1) &
+  CUDA_VISIBLE_DEVICES=0 python3 benchmarks/model_bench.py --out /tmp/mb0 --plan amp --budget-s 200 --repeats 5 \
+    > "$OUT/model_amp.log" 2>&1
+  wait
+  python3 benchmarks/model_bench.py --report /tmp/mb0/model_bench.json,/tmp/mb1/model_bench.json --report-out "$OUT" \
+    > /dev/null 2>&1
+  grep -E "done|FAIL|SKIP" "$OUT/model_amp.log" "$OUT/model_bf16.log" | cut -c1-170
+  grep -B2 -A26 "### Targets" "$OUT/model_bench.md" | grep -E "^\|" | head -24
+fi

@@ -46,10 +46,15 @@ def _rel(a, ref):
     return ((a - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def _envelope(k, e, ref, dtype, what):
+# the norms are fp32 results of fp32-accumulated math: their envelope floor is a few fp32 rounding units, not FLOOR's
+NORM_FLOOR = 1e-8
+
+
+def _envelope(k, e, ref, dtype, what, floor=None):
     assert torch.isfinite(k).all(), what
     ek, ee = _rel(k, ref), _rel(e, ref)
-    assert ek <= 2 * ee + FLOOR[dtype], f"{what}: kernel rel err {ek:.3g} vs eager {ee:.3g}"
+    floor = FLOOR[dtype] if floor is None else floor
+    assert ek <= 2 * ee + floor, f"{what}: kernel rel err {ek:.3g} vs eager {ee:.3g}"
 
 
 def _inputs(shape, rdt, ldt, mdt, delta, bias, seed=0):
@@ -282,10 +287,10 @@ def test_factored_norm_gpu(case, dname, transposed):
     nk, bk = kn.factored_norm_triton(W, A, B, s)
     ne, be = on.factored_norm_eager(W, A, B, s)
     dense = torch.linalg.norm(W.double() + s * B.double() @ A.double(), dim=1)
-    _envelope(nk, ne, dense, torch.float32, "norm")
-    _envelope(bk, be, W.double().square().sum(1), torch.float32, "base_sq")
+    _envelope(nk, ne, dense, torch.float32, "norm", NORM_FLOOR)
+    _envelope(bk, be, W.double().square().sum(1), torch.float32, "base_sq", NORM_FLOOR)
     nk2, _ = kn.factored_norm_triton(W, A, B, s, base_sq=be)
-    _envelope(nk2, ne, dense, torch.float32, "norm cached base")
+    _envelope(nk2, ne, dense, torch.float32, "norm cached base", NORM_FLOOR)
 
 
 def test_norm_dispatch_and_fp64():
@@ -309,7 +314,7 @@ def test_factored_norm_realistic_scales(wdt, adt):
     nk, _ = kn.factored_norm_triton(W, A, B, s)
     ne, _ = on.factored_norm_eager(W, A, B, s)
     dense = torch.linalg.norm(W.double() + s * B.double() @ A.double(), dim=1)
-    _envelope(nk, ne, dense, torch.float32, "norm")
+    _envelope(nk, ne, dense, torch.float32, "norm", NORM_FLOOR)
 
 
 @pytest.mark.parametrize("cfg", [(64, 128, 8, 8, False), (64, 128, 8, 8, True), (32, 256, 8, 4, True)], ids=str)

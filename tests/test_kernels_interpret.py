@@ -393,6 +393,7 @@ else:
         kn._SPLIT_OVERRIDE["U"] = 3
         kn._ACC_OVERRIDE[key] = acc
         kn._CONFIG_OVERRIDE[key] = (16, 16, 32, 4, 2, mode == kn._MODE_SPLIT)  # 2 rank tiles, 3 row tiles
+        saved_one = kn._ONE_PRODUCT_HALF
         kn._ONE_PRODUCT_HALF = dname == "bf16_one"
         launches = []
         real_launch = kn._GRAM
@@ -411,7 +412,7 @@ else:
             kn._SPLIT_OVERRIDE.clear()
             kn._ACC_OVERRIDE.clear()
             kn._CONFIG_OVERRIDE.clear()
-            kn._ONE_PRODUCT_HALF = False
+            kn._ONE_PRODUCT_HALF = saved_one
         grid, cs = launches[-1]  # the U pass of the cached-base call
         assert grid[1] == 3 and cs[-1] is True and cs[-4:-1] == (nparts, acc[0], acc[1]) and cs[1] == mode, (grid, cs)
         ne, be = on.factored_norm_eager(W, A, B, s)
@@ -454,13 +455,14 @@ else:
                 consts.append(cs)
                 return real_launch(grid, tensors, ints, floats, cs, *rest)
 
-            kn._ONE_PRODUCT_HALF, kn._GRAM = True, spy
+            saved_one, kn._GRAM = kn._ONE_PRODUCT_HALF, spy
+            kn._ONE_PRODUCT_HALF = True
             try:
                 nk, _ = kn.factored_norm_triton(Wh, Ah, B, 1.3)
                 U = torch.empty(d_out, r)
                 kn._gram(Wh, Ah, U, None, True)
             finally:
-                kn._ONE_PRODUCT_HALF, kn._GRAM = False, real_launch
+                kn._ONE_PRODUCT_HALF, kn._GRAM = saved_one, real_launch
             # (NEED_BASE, MODE, PREC, UPCAST, TRANS, BLOCK_O, BLOCK_R, BLOCK_K, NPARTS, ...): G and U, one product
             assert [(c[1], c[8]) for c in consts] == [(kn._MODE_SPLIT, 1)] * 3, consts
             assert consts[-1][4:8] == kn._TRANS_SPLIT_CFG[5:6] + kn._TRANS_SPLIT_CFG[:3]

@@ -288,17 +288,25 @@ _SPLIT_OVERRIDE: dict = {}
 _TRANS = {_MODE_SPLIT: True, _MODE_FP32: False}
 # Products per K block in the split mode (bf16 W, fp32 A): 3 = hi + mid + lo (fp32-level). Benchmarks may set 2.
 _SPLIT_PARTS = 3
-# W and A in the same half dtype: one tensor-core product (True) or fp32 operands with tf32x3 (False)
-_ONE_PRODUCT_HALF = False
+# W and A in the same half dtype: one tensor-core product of the exact operands (True), or fp32 operands with tf32x3
+# (False). Measured on the H200 (benchmarks/results/h200x2_2026-11-30_s11/norm_modes_call2.json, Qwen3-8B shapes,
+# r=384, bf16): with the accumulation restarted every K block 0.13-0.32 ms vs 0.28-0.71 ms, relative norm error
+# 5.1e-8 .. 5.4e-8 (tf32x3 5.3e-8 .. 5.6e-8, eager 3.8e-8 .. 4.6e-8); chained over the K range instead, 5.5e-5 ..
+# 3e-4 and not run-to-run deterministic (so never chained, see _ACC_DEFAULT)
+_ONE_PRODUCT_HALF = True
 _HALF = (torch.bfloat16, torch.float16)
 _TRANS_SPLIT_CFG = (128, 128, 32, 8, 4, True)
 # G = A A^T tiles, from benchmarks/results/h200x2_2026-11-30_s11/norm_modes.json (Qwen3-8B A's at r=384, tf32x3):
 # 64x64x32 transposed tiles split ~16 ways over d_in: 0.035 ms (d_in 4096) / 0.072 ms (12288) vs 0.066 / 0.17 ms for
 # the 32x32x64 row tiles used before, same or lower error
 _G_CFG = (64, 64, 32, 4, 3, True)
-# accumulation per config key (mode, "one", "G", "G1"): (K blocks per loop iteration, chained). Chained: the tensor
-# cores accumulate over the whole K range; not chained: each iteration's products start from zero and are added to
-# the running sum with fp32 adds (see _norm_gram_kernel)
+# Accumulation: (K blocks per loop iteration, chained). Chained: the tensor cores accumulate over the whole K range;
+# not chained: each iteration's products start from zero and are added to the running sum with fp32 adds (see
+# _norm_gram_kernel). Default for every mode: restarted every K block. Measured (norm_modes_call2.json): chained one
+# bf16 product gave 5.5e-5 .. 3e-4 error and differed between runs; restarted, 5.1e-8 .. 5.4e-8, bitwise
+# reproducible; for the AMP split the same error either way (7.0e-8 .. 7.9e-8) at 2-3% more time.
+_ACC_DEFAULT = (1, False)
+# benchmarks may override it per config key (mode, "one", "G", "G1")
 _ACC_OVERRIDE: dict = {}
 
 
@@ -387,7 +395,7 @@ def _gram(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, base: Optional[to
     R = a.shape[0]
     mode, nparts = _mode_of(x, a, gram_of_a)
     block_o, block_r, block_k, warps, stages, trans = _gram_config(rows, R, x.device, mode, gram_of_a, nparts)
-    group, chain = _ACC_OVERRIDE.get(_config_key(mode, nparts, gram_of_a), (1, True))
+    group, chain = _ACC_OVERRIDE.get(_config_key(mode, nparts, gram_of_a), _ACC_DEFAULT)
     k_split = _launch.cdiv(_launch.cdiv(K, split), block_k) * block_k
     split = _launch.cdiv(K, k_split)
     grid = (_launch.cdiv(rows, block_o) * _launch.cdiv(R, block_r), split)
