@@ -69,9 +69,11 @@ def _stub_impl(oc):
             return y, (torch.empty_like(result) if save_inner else None)
 
         @staticmethod
-        def compose_bwd(dy, magnitude, norm, scale, eps, inner, delta_form, rd, ld, bd, need_dm, need_dbias, fd):
+        def compose_bwd(dy, magnitude, norm, scale, eps, inner, delta_form, rd, ld, bd, need_dm, need_dbias, fd,
+                        need_dlora=True):
             dm = torch.empty_like(magnitude) if need_dm else None
-            return torch.empty_like(dy, dtype=rd), torch.empty_like(dy, dtype=ld), None, dm, None
+            d_lora = torch.empty_like(dy, dtype=ld) if need_dlora else None
+            return torch.empty_like(dy, dtype=rd), d_lora, None, dm, None
 
     stub = _Stub()
     stub.apply = oc._apply_autograd(stub)

@@ -3,7 +3,9 @@
 #   GPU 1: the GPU test suite (defaults), then (FORCED=1, default) the norm GPU tests again with candidate modes forced
 #   GPU 0: kernels_bench.py --sections norm_modes (time + error vs fp64 per mode; OLD_PKG's norm side by side)
 #   MODEL=1: then the model benchmark's r=384 targets, AMP on GPU 0 and pure bf16 on GPU 1 (LoRA, fastdora, PEFT
-#            DoRA; plans "amp" / "bf16"), merged into $OUT/model_bench.{json,md,png}
+#            DoRA, and OLD_PKG's fastdora when given; plans "amp[_ab]" / "bf16[_ab]"), merged into
+#            $OUT/model_bench.{json,md,png}
+#   HOST=1: then host_probe.py (host time per micro-batch, GPU kernel-time breakdown), bf16 and AMP
 #   bash benchmarks/run_norm_modes.sh [OLD_PKG]     (writes $OUT/norm_modes.json, $OUT/norm_modes.log, test logs)
 set -u
 OUT=${OUT:-$PWD/benchmarks/results/session}
@@ -43,13 +45,23 @@ for line in open(sys.argv[1]):
         print('    %-16s %.4f ms (gpu %.4f, +base %.4f)  err %.2g  det %s  usplit %s' % (v['name'], v['ms'], v['gpu_ms'], v['ms_with_base'], v['relerr'], v['deterministic'], v['u_split']))
 PY
 if [ "${MODEL:-0}" = 1 ]; then
-  (CUDA_VISIBLE_DEVICES=1 python3 benchmarks/model_bench.py --out /tmp/mb1 --plan bf16 --budget-s 200 --repeats 5 \
-    > "$OUT/model_bf16.log" 2>&1) &
-  CUDA_VISIBLE_DEVICES=0 python3 benchmarks/model_bench.py --out /tmp/mb0 --plan amp --budget-s 200 --repeats 5 \
-    > "$OUT/model_amp.log" 2>&1
+  ab=""; [ -n "$OLD" ] && ab="_ab"
+  (CUDA_VISIBLE_DEVICES=1 python3 benchmarks/model_bench.py --out /tmp/mb1 --plan bf16$ab --budget-s 240 --repeats 7 \
+    ${OLD:+--old-pkg "$OLD"} > "$OUT/model_bf16.log" 2>&1) &
+  CUDA_VISIBLE_DEVICES=0 python3 benchmarks/model_bench.py --out /tmp/mb0 --plan amp$ab --budget-s 240 --repeats 7 \
+    ${OLD:+--old-pkg "$OLD"} > "$OUT/model_amp.log" 2>&1
   wait
   python3 benchmarks/model_bench.py --report /tmp/mb0/model_bench.json,/tmp/mb1/model_bench.json --report-out "$OUT" \
     > /dev/null 2>&1
   grep -E "done|FAIL|SKIP" "$OUT/model_amp.log" "$OUT/model_bf16.log" | cut -c1-170
   grep -B2 -A26 "### Targets" "$OUT/model_bench.md" | grep -E "^\|" | head -24
+fi
+if [ "${HOST:-0}" = 1 ]; then  # host probe with a GPU kernel-time breakdown, bf16 on GPU 0 and AMP on GPU 1
+  v=lora,fastdora; [ -n "$OLD" ] && v=lora,fastdora,fastdora_old
+  (CUDA_VISIBLE_DEVICES=1 timeout 170 python3 benchmarks/host_probe.py --out /tmp/hpa --variants $v --repeats 3 \
+    ${OLD:+--old-pkg "$OLD"} > "$OUT/host_probe_amp.log" 2>&1; cp /tmp/hpa/host_probe.json "$OUT/host_probe_amp.json") &
+  CUDA_VISIBLE_DEVICES=0 timeout 170 python3 benchmarks/host_probe.py --out /tmp/hpb --setup bf16 --variants $v \
+    --repeats 3 ${OLD:+--old-pkg "$OLD"} > "$OUT/host_probe_bf16.log" 2>&1; cp /tmp/hpb/host_probe.json "$OUT/host_probe_bf16.json"
+  wait
+  grep -hE "^####|one iteration on the GPU|host under" "$OUT/host_probe_amp.log" "$OUT/host_probe_bf16.log" | cut -c1-300
 fi

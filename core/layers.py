@@ -23,7 +23,7 @@ from torch import nn
 
 from . import config as _config
 from . import distributed as _distributed
-from .ops.compose import acc_dtype_for, allow_row_coef_cache, dora_compose
+from .ops.compose import acc_dtype_for, allow_row_coef_cache, dora_compose, dora_compose_lora_b
 from .ops.norm import factored_norm
 from .stats import active_path_counter, record
 
@@ -107,6 +107,23 @@ def _base_layer(module: nn.Module) -> nn.Module:
     if base is None or "base_layer" in base._modules:
         return module.get_base_layer()
     return base
+
+
+_NN_MODULE = torch.nn.modules.module
+_PLAIN_PARAM = (nn.Parameter, torch.Tensor)
+
+
+def _plain_linear(m: nn.Module) -> bool:
+    """An ``nn.Linear`` without bias, hooks (its own or global: ZeRO-3 style gathering, profilers) or a tensor-subclass
+    weight: calling ``F.linear`` on its weight is exactly what calling the module does."""
+    return (
+        type(m) is nn.Linear
+        and m.bias is None
+        and type(m.weight) in _PLAIN_PARAM
+        and not (m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks)
+        and not (_NN_MODULE._global_forward_pre_hooks or _NN_MODULE._global_forward_hooks
+                 or _NN_MODULE._global_backward_pre_hooks or _NN_MODULE._global_backward_hooks)
+    )
 
 
 def _peft_caching_enabled() -> bool:
@@ -248,11 +265,14 @@ class FastDoraLinearLayer(_FastDoraMixin, PEFT_CLASSES["DoraLinearLayer"]):
         fastdora_result=None,
         fastdora_out_dtype=None,
     ):
+        fuse_b = False
         if _distributed.active():  # factors / base weight may be sharded outside their own calls
             norm, lora = _distributed.linear_norm_and_lora(self, x, base_layer, lora_A, lora_B, scaling, adapter_name)
         else:
             norm = self._fd_linear_norm(base_layer, lora_A, lora_B, scaling, adapter_name)
-            lora = lora_B(lora_A(x))
+            # fused mode with a plain lora_B: its product joins the composition's autograd node (no d_lora pass)
+            fuse_b = fastdora_result is not None and _plain_linear(lora_B)
+            lora = lora_A(x) if fuse_b else lora_B(lora_A(x))
         self._fd_peft_cache(adapter_name, norm)
         eps = eps_for(x.dtype)
         base_delta = None
@@ -261,6 +281,21 @@ class FastDoraLinearLayer(_FastDoraMixin, PEFT_CLASSES["DoraLinearLayer"]):
             if base_delta is None:
                 weight = dequantize_module_weight(base_layer).to(x.dtype)
                 base_delta = F.linear(x, transpose(weight, self.fan_in_fan_out))
+        if fuse_b:
+            return dora_compose_lora_b(
+                fastdora_result,
+                lora,  # h = lora_A(x)
+                lora_B.weight,
+                self.weight,
+                norm,
+                scaling,
+                eps,
+                bias=getattr(base_layer, "bias", None) if base_delta is None else None,
+                base_delta=base_delta,
+                out_dtype=fastdora_out_dtype,
+                kernels=self._fd_options().kernels,
+                kind=self._fastdora_kind,
+            )
         return self._fd_output(
             lora, norm, eps, scaling, base_layer, base_result, base_delta, fastdora_result, fastdora_out_dtype, -1
         )

@@ -542,6 +542,49 @@ def test_dora_compose_with_a_callers_norm_is_a_pure_function():
     assert not hasattr(nrm, "_fastdora_coefs")
 
 
+def test_dora_compose_lora_b_gradcheck_and_equals_the_two_step_composition():
+    """``dora_compose_lora_b`` (lora_B's product inside the composition node) in fp64: gradcheck w.r.t. result, h,
+    lora_B's weight, the magnitude (plain with bias, and delta form), and the same output and gradients as
+    ``dora_compose(result, h @ B^T, ...)`` with autograd through the product; with a cached (layer) norm as well."""
+    from fastdora.ops.compose import dora_compose, dora_compose_lora_b
+
+    g = torch.Generator().manual_seed(5)
+    nrm = torch.rand(6, generator=g, dtype=F64) + 0.5
+    b = torch.randn(6, generator=g, dtype=F64)
+
+    def mk(*shape):
+        return torch.randn(*shape, generator=g, dtype=F64).requires_grad_(True)
+
+    m, B = (torch.rand(6, generator=g, dtype=F64) + 0.5).requires_grad_(True), mk(6, 3)
+
+    def plain(r, h, B, m):
+        return dora_compose_lora_b(r, h, B, m, nrm, 0.7, 1e-12, bias=b, kernels="eager")
+
+    def delta(r, h, B, m, bd):
+        return dora_compose_lora_b(r, h, B, m, nrm, 0.7, 1e-12, base_delta=bd, kernels="eager")
+
+    assert torch.autograd.gradcheck(plain, (mk(2, 4, 6), mk(2, 4, 3), B, m))
+    assert torch.autograd.gradcheck(delta, (mk(2, 4, 6), mk(2, 4, 3), B, m, mk(2, 4, 6)))
+    cached = nrm.clone()
+    allow_row_coef_cache(cached)
+    r, h, dy = mk(5, 6), mk(5, 3), torch.randn(5, 6, generator=g, dtype=F64)
+    for norm in (nrm, cached, cached):  # the cached norm: coefficients and the scaled B reused on the second call
+        ins = (r, h, B, m)
+        y1 = dora_compose_lora_b(r, h, B, m, norm, 0.7, 1e-12, bias=b, kernels="eager")
+        g1 = torch.autograd.grad(y1, ins, dy)
+        y2 = dora_compose(r, torch.nn.functional.linear(h, B), m, norm, 0.7, 1e-12, bias=b, kernels="eager")
+        g2 = torch.autograd.grad(y2, ins, dy)
+        torch.testing.assert_close(y1, y2, rtol=1e-12, atol=1e-12)
+        for a, e in zip(g1, g2):
+            torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+    with torch.no_grad():  # B updated in place (an optimizer step without a hook): the scaled copy follows it
+        B.mul_(3.0)
+    g1 = torch.autograd.grad(dora_compose_lora_b(r, h, B, m, cached, 0.7, 1e-12, kernels="eager"), (h,), dy)
+    g2 = torch.autograd.grad(dora_compose(r, torch.nn.functional.linear(h, B), m, cached, 0.7, 1e-12,
+                                          kernels="eager"), (h,), dy)
+    torch.testing.assert_close(g1[0], g2[0], rtol=1e-12, atol=1e-12)
+
+
 def test_layer_norm_cache_entries_carry_row_coefficients():
     """The eager layer path does use the coefficient cache: the norm cached by the layer carries the coefficients
     after a training forward+backward (so the micro-batches and recomputations of a step reuse them)."""

@@ -319,3 +319,34 @@ def test_gradient_checkpointing_recompute_uses_cached_norm():
         grads.append({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
     assert_same_grads(grads[1], grads[0], torch.float64, "checkpointing")
     assert active_path_counter["norm:cached"] == 2  # the recomputation reused the norm of both layers
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("hooked", [False, True], ids=["plain_lora_B", "hooked_lora_B"])
+def test_lora_b_in_the_composition_node(dtype, hooked):
+    """A plain ``lora_B`` (nn.Linear, no bias, no hooks) runs inside the composition's autograd node (its gradients
+    from ``dy @ (g*s*B)`` and ``g*s*(dy^T h)``, no ``d_lora`` tensor); a hooked one (ZeRO-3 style gathering, a
+    profiler) is called as a module, hooks firing. Outputs and every gradient match stock PEFT either way."""
+    ref, fast = make_pair(MODELS["linear_nobias"], dtype=dtype)
+    calls = []
+    if hooked:
+        for mod in fast.modules():
+            if hasattr(mod, "lora_B"):
+                mod.lora_B["default"].register_forward_pre_hook(lambda m, args: calls.append(m))
+    x = model_input(ref.base_model.model, dtype)
+    nodes = set()
+    out_f = fast(x)
+    stack = [out_f.grad_fn]
+    while stack:  # every autograd node class reachable from the output
+        fn = stack.pop()
+        if fn is None or type(fn).__name__ in nodes:
+            continue
+        nodes.add(type(fn).__name__)
+        stack.extend(f for f, _ in fn.next_functions)
+    fused = any("DoraComposeLoraB" in n for n in nodes)
+    assert fused != hooked, nodes
+    assert (len(calls) > 0) == hooked
+    out_r, g_r = forward_backward(ref, x)
+    out_f, g_f = forward_backward(fast, x)
+    assert_close(out_f, out_r, dtype, "output")
+    assert_same_grads(g_f, g_r, dtype, "lora_B fused" if not hooked else "lora_B hooked")

@@ -408,7 +408,7 @@ def compose_bwd(
     ):
         return _ops.compose_bwd_eager(
             dy, magnitude, norm, scale, eps, inner, delta_form, result_dtype, lora_dtype, base_delta_dtype,
-            need_dm, need_dbias, feature_dim,
+            need_dm, need_dbias, feature_dim, need_dlora,
         )
     need_dbias = bool(need_dbias)
     dev = dy.device
@@ -602,9 +602,9 @@ class _TritonImpl:
 
     @staticmethod
     def compose_bwd(dy, magnitude, norm, scale, eps, inner, delta_form, rd, ld, bd, need_dm, need_dbias,
-                    feature_dim=-1):
+                    feature_dim=-1, need_dlora=True):
         return compose_bwd(dy, magnitude, norm, scale, eps, inner, delta_form, rd, ld, bd, need_dm, need_dbias,
-                           feature_dim)
+                           feature_dim, need_dlora=need_dlora)
 
 
 TRITON = _TritonImpl() if AVAILABLE else None

@@ -300,6 +300,12 @@ _TRANS_SPLIT_CFG = (128, 128, 32, 8, 4, True)
 # 64x64x32 transposed tiles split ~16 ways over d_in: 0.035 ms (d_in 4096) / 0.072 ms (12288) vs 0.066 / 0.17 ms for
 # the 32x32x64 row tiles used before, same or lower error
 _G_CFG = (64, 64, 32, 4, 3, True)
+# Precision of the fp32 products of G = A A^T (fp32 A, mode _MODE_FP32) and of B G in the combine kernel: "ieee" (fp32
+# FMAs) or "tf32x3". Both are small (r^2 d_in and d_out r^2 multiply-adds) but set the error floor where the
+# quadratic term dominates the norm (large s B A): tf32x3 measured 1.3e-7 .. 1.4e-7 relative error there vs eager's
+# 4e-8 (benchmarks/results/h200x2_2026-11-30_s11/gpu_tests_call3.log)
+_G_PREC = "ieee"
+_COMBINE_PREC = "ieee"
 # Accumulation: (K blocks per loop iteration, chained). Chained: the tensor cores accumulate over the whole K range;
 # not chained: each iteration's products start from zero and are added to the running sum with fp32 adds (see
 # _norm_gram_kernel). Default for every mode: restarted every K block. Measured (norm_modes_call2.json): chained one
@@ -408,7 +414,8 @@ def _gram(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, base: Optional[to
         (rows, R, K, k_split, x.stride(0), x.stride(1), a.stride(0), a.stride(1), stride_out, rows * R,
          bb.stride(0), bb.stride(-1)),
         (0.0,),
-        (base is not None, mode, "tf32x3", upcast, bool(trans), block_o, block_r, block_k, nparts, group, chain,
+        (base is not None, mode, _G_PREC if gram_of_a else "tf32x3", upcast, bool(trans), block_o, block_r, block_k,
+         nparts, group, chain,
          cross),
         warps,
         stages,
@@ -469,7 +476,7 @@ def factored_norm_triton(
             (cpart, bpart, G, B, base, norm),
             (d_out, r, su * n_r, su if need_base else 1, B.stride(0), B.stride(1)),
             (2.0 * s, s * s),
-            (need_base, "tf32x3", block_o, block_r),
+            (need_base, _COMBINE_PREC, block_o, block_r),
             4,
         )
     return norm, base

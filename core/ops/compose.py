@@ -33,7 +33,7 @@ from .. import dispatch
 from .. import distributed as _distributed
 from ..stats import path_key, record
 
-__all__ = ["dora_compose", "compose_fwd_eager", "compose_bwd_eager", "acc_dtype_for", "magnitude_scale"]
+__all__ = ["dora_compose", "dora_compose_lora_b", "compose_fwd_eager", "compose_bwd_eager", "acc_dtype_for", "magnitude_scale"]
 
 # tokens processed per chunk in the eager magnitude-gradient reduction (bounds fp32 temporaries)
 _EAGER_ROWS_PER_CHUNK = 4096
@@ -79,6 +79,19 @@ class _RowCoefs:
             v = self.vecs[(name, dtype)] = self._make(name, dtype)
         return v
 
+    def scaled_rows(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``(g * s)[:, None] * w`` in ``dtype`` (``w``: ``lora_B``'s ``[d_out, r]`` weight), computed in the
+        accumulation precision; kept while ``w`` (identity, version) and the coefficients are unchanged."""
+        key = ("gsB", dtype, w.data_ptr(), w._version, tuple(w.shape))
+        v = self.vecs.get(key)
+        if v is None or self.key is None:
+            v = (self.get("gs_col") * w.detach().to(self.acc)).to(dtype)
+            if self.key is not None:
+                for k in [k for k in self.vecs if k[0] == "gsB"]:  # one scaled weight at a time
+                    del self.vecs[k]
+                self.vecs[key] = v
+        return v
+
     def _make(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         if dtype != self.acc:
             return self.get(name).to(dtype)
@@ -89,6 +102,8 @@ class _RowCoefs:
             return self.get("g") - 1.0
         if name == "gs":
             return self.get("g") * self.scale
+        if name == "gs_col":  # [d_out, 1]: scales the rows of lora_B's weight gradient
+            return self.get("gs").unsqueeze(1)
         if name == "inv":
             return 1.0 / norm.detach().reshape(-1).to(self.acc).clamp_min(self.eps)
         raise KeyError(name)
@@ -238,6 +253,7 @@ def compose_bwd_eager(
     need_dm: bool,
     need_dbias: bool,
     feature_dim: int = -1,
+    need_dlora: bool = True,
 ):
     """Returns ``(d_result, d_lora, d_base_delta, dm, d_bias)`` (``None`` where not needed)."""
     acc = acc_dtype_for(dy, magnitude)
@@ -246,7 +262,7 @@ def compose_bwd_eager(
     half = dy.dtype in _HALF and result_dtype == lora_dtype == dy.dtype and base_delta_dtype in (None, dy.dtype)
     if half:  # same formulas in the activation dtype, (g - 1) explicit
         dt = dy.dtype
-        d_lora = dy * _rows(coefs.get("gs", dt), vs)
+        d_lora = dy * _rows(coefs.get("gs", dt), vs) if need_dlora else None
         gm1 = _rows(coefs.get("gm1", dt), vs)
         if delta_form:
             d_result, d_base_delta = dy, dy * gm1
@@ -255,7 +271,7 @@ def compose_bwd_eager(
         dy_acc = None
     else:
         dy_acc = dy.to(acc)
-        d_lora = (_rows(coefs.get("gs"), vs) * dy_acc).to(lora_dtype)
+        d_lora = (_rows(coefs.get("gs"), vs) * dy_acc).to(lora_dtype) if need_dlora else None
         if delta_form:
             d_result = dy.to(result_dtype)
             d_base_delta = (_rows(coefs.get("gm1"), vs) * dy_acc).to(base_delta_dtype)
@@ -344,6 +360,92 @@ class _DoraCompose(torch.autograd.Function):
         return d_result, d_lora, dm, d_bias, d_bd, None
 
 
+class _DoraComposeLoraB(torch.autograd.Function):
+    """Autograd node of ``lora_B``'s product and the composition together (Linear layers): ``lora = h @ B^T`` is
+    computed here, and the backward never materialises ``d_lora = g * s * dy``: the gradients of ``h`` and ``B`` use
+    the per-row ``g * s`` on ``B``'s rows instead (``d_h = dy @ (gs * B)``, ``d_B = gs * (dy^T h)``), saving one
+    activation-sized write and read per layer, and the separate autograd node and module call of ``lora_B``."""
+
+    @staticmethod
+    def forward(ctx, result, h, lora_b, magnitude, bias, base_delta, cfg):
+        norm, scale, eps, out_dtype, impl = cfg
+        lora = torch.nn.functional.linear(h, lora_b)  # under autocast: in the autocast dtype, like lora_B(h)
+        if out_dtype is None:  # what dora_compose(result, lora, ...) defaults to
+            out_dtype = torch.promote_types(result.dtype, lora.dtype)
+            if base_delta is not None:
+                out_dtype = torch.promote_types(out_dtype, base_delta.dtype)
+        need_dm = magnitude.requires_grad
+        need_dbias = bias is not None and bias.requires_grad and base_delta is None
+        y, inner = impl.compose_fwd(
+            result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, need_dm, -1
+        )
+        ctx.save_for_backward(h, lora_b, inner)
+        ctx.magnitude, ctx.cfg = magnitude, cfg
+        ctx.delta_form = base_delta is not None
+        ctx.dtypes = (result.dtype, lora.dtype, None if base_delta is None else base_delta.dtype)
+        ctx.need_dm, ctx.need_dbias = need_dm, need_dbias
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        h, lora_b, inner = ctx.saved_tensors
+        norm, scale, eps, _, impl = ctx.cfg
+        result_dtype, lora_dtype, bd_dtype = ctx.dtypes
+        nig = ctx.needs_input_grad
+        dy = dy.contiguous()
+        d_result, _, d_bd, dm, d_bias = impl.compose_bwd(
+            dy, ctx.magnitude, norm, scale, eps, inner if ctx.need_dm else None, ctx.delta_form, result_dtype,
+            lora_dtype, bd_dtype, ctx.need_dm and nig[3], ctx.need_dbias and nig[4], -1, need_dlora=False,
+        )
+        if d_bias is not None:
+            d_bias = d_bias.to(ctx.bias_dtype)
+        d_h = d_b = None
+        if nig[1] or nig[2]:
+            coefs = _row_coefs(ctx.magnitude, norm, eps, scale, acc_dtype_for(dy, ctx.magnitude))
+            dyl = dy if dy.dtype == lora_dtype else dy.to(lora_dtype)
+            if nig[1]:  # d_h = (gs * dy) @ B = dy @ (gs * B), B in the product's dtype (as lora_B's backward)
+                d_h = torch.matmul(dyl, coefs.scaled_rows(lora_b, lora_dtype))
+                if d_h.dtype != h.dtype:
+                    d_h = d_h.to(h.dtype)
+            if nig[2]:  # d_B = gs * (dy^T h): the product in the activations' dtype
+                hl = h if h.dtype == lora_dtype else h.to(lora_dtype)
+                # bf16 product x gs in B's dtype: fp32 B (AMP) gets an fp32 result, bf16 B one rounding of the scale
+                d_b = torch.mul(torch.mm(dyl.reshape(-1, dy.shape[-1]).t(), hl.reshape(-1, h.shape[-1])),
+                                coefs.get("gs_col", lora_b.dtype))
+        return d_result, d_h, d_b, dm, d_bias, d_bd, None
+
+
+def dora_compose_lora_b(
+    result: torch.Tensor,
+    h: torch.Tensor,
+    lora_b: torch.Tensor,
+    magnitude: torch.Tensor,
+    norm: torch.Tensor,
+    scale: float,
+    eps: float,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    base_delta: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+    kernels: str = "auto",
+    kind: Optional[str] = None,
+) -> torch.Tensor:
+    """``dora_compose(result, F.linear(h, lora_b), ...)`` for a last feature dim, with ``lora_B``'s product inside
+    the same autograd node (see :class:`_DoraComposeLoraB`). Same outputs and gradients (``h`` and ``lora_b`` get
+    theirs from that node); without autograd (inference, no grad) it is exactly ``dora_compose`` on the product."""
+    if (not torch.is_grad_enabled()) or torch.compiler.is_compiling():
+        lora = torch.nn.functional.linear(h, lora_b)
+        return dora_compose(result, lora, magnitude, norm, scale, eps, bias=bias, base_delta=base_delta,
+                            out_dtype=out_dtype, kernels=kernels, kind=kind)
+    if norm.requires_grad:
+        raise ValueError("fastdora: the weight norm must be detached (DoRA treats it as a constant)")
+    impl = dispatch.compose_impl(result, h, magnitude, bias, base_delta, -1, kernels)
+    if kind is not None:
+        record(path_key(kind, impl.name))
+    return _DoraComposeLoraB.apply(result, h, lora_b, magnitude, bias, base_delta, (norm, scale, eps, out_dtype, impl))
+
+
 class _EagerImpl:
     name = "eager"
 
@@ -354,9 +456,11 @@ class _EagerImpl:
         )
 
     @staticmethod
-    def compose_bwd(dy, magnitude, norm, scale, eps, inner, delta_form, rd, ld, bd, need_dm, need_dbias, feature_dim):
+    def compose_bwd(dy, magnitude, norm, scale, eps, inner, delta_form, rd, ld, bd, need_dm, need_dbias, feature_dim,
+                    need_dlora=True):
         return compose_bwd_eager(
-            dy, magnitude, norm, scale, eps, inner, delta_form, rd, ld, bd, need_dm, need_dbias, feature_dim
+            dy, magnitude, norm, scale, eps, inner, delta_form, rd, ld, bd, need_dm, need_dbias, feature_dim,
+            need_dlora,
         )
 
 
