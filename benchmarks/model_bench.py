@@ -50,9 +50,11 @@ SHAPES = {
                  num_key_value_heads=2, head_dim=16, vocab_size=512, full_layers=2),
 }
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-VARIANTS = ["lora", "peft_dora", "fastdora", "eager", "fastdora_old"]  # fastdora_old: --old-pkg's package
+# fastdora_old: --old-pkg's package; fastdora_nofuse: fuse_lora_b=False (lora_B called as a module)
+VARIANTS = ["lora", "peft_dora", "fastdora", "eager", "fastdora_old", "fastdora_nofuse"]
 VARIANT_LABEL = {"lora": "PEFT LoRA", "peft_dora": "PEFT DoRA", "fastdora": "fastdora DoRA",
-                 "eager": "fastdora eager", "fastdora_old": "fastdora (--old-pkg)"}
+                 "eager": "fastdora eager", "fastdora_old": "fastdora (--old-pkg)",
+                 "fastdora_nofuse": "fastdora, fuse_lora_b=False"}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -98,7 +100,7 @@ def apply_adapter(model, a, dev):
             if a.setup == "bf16" and p.dtype != torch.bfloat16:
                 p.data = p.data.to(torch.bfloat16)
     info = {}
-    if a.variant in ("fastdora", "eager", "fastdora_old"):
+    if a.variant in ("fastdora", "eager", "fastdora_old", "fastdora_nofuse"):
         if a.variant == "fastdora_old":  # this worker process imports the earlier package as `fastdora`
             if not a.old_pkg:
                 raise RuntimeError("variant fastdora_old needs --old-pkg DIR (DIR/fastdora)")
@@ -110,7 +112,7 @@ def apply_adapter(model, a, dev):
                                f"or PYTHONPATH with core/ mapped to fastdora): {e!r}") from e
         if not hasattr(fastdora, "enable"):
             raise RuntimeError("fastdora has no enable() yet (core/__init__.py not written?)")
-        opts = {"kernels": "eager"} if a.variant == "eager" else {}
+        opts = {"eager": {"kernels": "eager"}, "fastdora_nofuse": {"fuse_lora_b": False}}.get(a.variant, {})
         rep = fastdora.enable(model, **opts)
         info["enable_report"] = _jsonable(rep)
     return model, info
@@ -322,9 +324,12 @@ def plan_configs(plan, layers_q, layers_m):
             add("mistral-small-24b", layers_m, 384, setups=("amp",), variants=("lora", "fastdora", "peft_dora"))
             add("qwen3-8b", layers_q, 768, setups=("amp",), variants=("lora", "fastdora", "peft_dora"))
         return cfgs
-    if plan in ("bf16", "amp", "bf16_ab", "amp_ab"):  # one precision's r=384 targets alone (LoRA, fastdora, PEFT
-        # DoRA); *_ab: also the --old-pkg package, right after the current one
+    if plan in ("bf16", "amp", "bf16_ab", "amp_ab", "bf16_fuse", "amp_fuse"):  # one precision's r=384 targets
+        # alone (LoRA, fastdora, PEFT DoRA); *_ab: also the --old-pkg package; *_fuse: fuse_lora_b off vs on,
+        # alternating (LoRA, on, off, on, off, PEFT DoRA)
         variants = ("lora", "fastdora") + (("fastdora_old",) if plan.endswith("_ab") else ()) + ("peft_dora",)
+        if plan.endswith("_fuse"):
+            variants = ("lora", "fastdora", "fastdora_nofuse", "fastdora", "fastdora_nofuse", "peft_dora")
         add("qwen3-8b", layers_q, 384, setups=(plan.split("_")[0],), variants=variants)
         return cfgs
     if plan == "r16":  # the no-regression check alone (AMP first)
@@ -605,7 +610,7 @@ def plot(doc, png):
     metrics = [("grad_iter_s", "grad iteration (s)"), ("infer_s", "inference fwd (ms)"),
                ("train_peak_alloc_gb", "train peak alloc (GB)")]
     colors = {"lora": "#888888", "peft_dora": "#d62728", "fastdora": "#2ca02c", "eager": "#1f77b4",
-              "fastdora_old": "#9467bd"}
+              "fastdora_old": "#9467bd", "fastdora_nofuse": "#17becf"}
     fig, axes = plt.subplots(len(groups), 3, figsize=(15, 3.2 * len(groups)), squeeze=False)
     for gi, g in enumerate(groups):
         ranks = sorted({k[3] for k in idx if k[:3] == g})
@@ -683,7 +688,7 @@ def main():
     p.add_argument("--old-pkg", default=None, help="folder holding an earlier fastdora package (variant fastdora_old)")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--plan", default="h200", choices=["h200", "targets", "full", "r16", "tiny", "final", "gpu0", "gpu1", "bf16", "amp",
-                                                 "bf16_ab", "amp_ab"])
+                                                 "bf16_ab", "amp_ab", "bf16_fuse", "amp_fuse"])
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test): --plan tiny, short seq")
     p.add_argument("--budget-s", type=float, default=270.0, help="parent: stop launching configs after this")
     p.add_argument("--layers", type=int, default=8, help="decoder layers for Qwen3-8B shapes")

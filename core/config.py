@@ -62,12 +62,16 @@ class Options:
         installed PEFT does.
     cache_norm: reuse the weight norm while ``W, A, B, s`` are unchanged (exact; turn off only to debug).
     norm_budget_mb: working-set budget of the eager factored norm's column chunks (MB).
+    fuse_lora_b: Linear layers whose ``lora_B`` is a plain ``nn.Linear`` (no bias, no hooks) compute its product
+        inside the composition's autograd node, which never materialises ``d_lora`` (one activation-sized pass less
+        per layer backward). ``False``: ``lora_B`` is called as a module, as PEFT does.
     """
 
     kernels: str = "auto"
     legacy_embedding_compose: bool = False
     cache_norm: bool = True
     norm_budget_mb: float = 16.0
+    fuse_lora_b: bool = True
 
     @property
     def norm_budget_bytes(self) -> int:
@@ -89,7 +93,7 @@ def make_options(**kwargs: Any) -> Options:
     kernels = values["kernels"]
     if not isinstance(kernels, str) or kernels not in _KERNELS:
         raise ValueError(f"fastdora: option kernels={kernels!r} is invalid; use one of {list(_KERNELS)}")
-    for name in ("legacy_embedding_compose", "cache_norm"):
+    for name in ("legacy_embedding_compose", "cache_norm", "fuse_lora_b"):
         if name in values and not isinstance(values[name], bool):
             raise ValueError(f"fastdora: option {name}={values[name]!r} must be a bool")
     budget = values["norm_budget_mb"]

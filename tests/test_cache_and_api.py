@@ -224,6 +224,8 @@ def test_options_are_validated():
         fastdora.enable(fast, legacy_embedding_compose="yes")
     with pytest.raises(ValueError, match="norm_budget_mb"):
         fastdora.enable(fast, norm_budget_mb=-1)
+    with pytest.raises(ValueError, match="fuse_lora_b"):
+        fastdora.enable(fast, fuse_lora_b=1)
     with pytest.raises(TypeError):
         fastdora.enable(fast, "eager")  # options are keyword-only
     with pytest.raises(TypeError, match="nn.Module"):

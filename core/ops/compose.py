@@ -80,17 +80,11 @@ class _RowCoefs:
         return v
 
     def scaled_rows(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``(g * s)[:, None] * w`` in ``dtype`` (``w``: ``lora_B``'s ``[d_out, r]`` weight), computed in the
-        accumulation precision; kept while ``w`` (identity, version) and the coefficients are unchanged."""
-        key = ("gsB", dtype, w.data_ptr(), w._version, tuple(w.shape))
-        v = self.vecs.get(key)
-        if v is None or self.key is None:
-            v = (self.get("gs_col") * w.detach().to(self.acc)).to(dtype)
-            if self.key is not None:
-                for k in [k for k in self.vecs if k[0] == "gsB"]:  # one scaled weight at a time
-                    del self.vecs[k]
-                self.vecs[key] = v
-        return v
+        """``(g * s)[:, None] * w`` in ``dtype`` (``w``: ``lora_B``'s ``[d_out, r]`` weight), formed from ``w`` on
+        every call (not kept: one such copy per layer would add ~the adapters' size to peak memory)."""
+        if w.dtype == dtype:
+            return torch.mul(w.detach(), self.get("gs_col", dtype))
+        return (self.get("gs_col") * w.detach().to(self.acc)).to(dtype)
 
     def _make(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         if dtype != self.acc:
