@@ -62,16 +62,18 @@ class Options:
         installed PEFT does.
     cache_norm: reuse the weight norm while ``W, A, B, s`` are unchanged (exact; turn off only to debug).
     norm_budget_mb: working-set budget of the eager factored norm's column chunks (MB).
-    fuse_lora_b: Linear layers whose ``lora_B`` is a plain ``nn.Linear`` (no bias, no hooks) compute its product
-        inside the composition's autograd node, which never materialises ``d_lora`` (one activation-sized pass less
-        per layer backward). ``False``: ``lora_B`` is called as a module, as PEFT does.
+    fuse_lora_b: opt-in. Linear layers whose ``lora_B`` is a plain ``nn.Linear`` (no bias, no hooks) compute its
+        product inside the composition's autograd node, which never materialises ``d_lora`` (one activation-sized
+        pass less per layer backward) but runs the two small matmuls of lora_B's backward from Python. Measured on
+        the H200 (benchmarks/README.md, session 11): no model-level gain (the host work it adds cancels the pass it
+        saves in the host-bound bf16 step), so off by default; ``lora_B`` is then called as a module, as PEFT does.
     """
 
     kernels: str = "auto"
     legacy_embedding_compose: bool = False
     cache_norm: bool = True
     norm_budget_mb: float = 16.0
-    fuse_lora_b: bool = True
+    fuse_lora_b: bool = False
 
     @property
     def norm_budget_bytes(self) -> int:

@@ -324,15 +324,15 @@ def test_gradient_checkpointing_recompute_uses_cached_norm():
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", ["plain_lora_B", "hooked_lora_B", "fuse_lora_b_off"])
 def test_lora_b_in_the_composition_node(dtype, case):
-    """A plain ``lora_B`` (nn.Linear, no bias, no hooks) runs inside the composition's autograd node (its gradients
-    from ``dy @ (g*s*B)`` and ``g*s*(dy^T h)``, no ``d_lora`` tensor); a hooked one (ZeRO-3 style gathering, a
-    profiler), or any with ``fuse_lora_b=False``, is called as a module, hooks firing. Outputs and every gradient
-    match stock PEFT either way."""
+    """With ``fuse_lora_b=True``, a plain ``lora_B`` (nn.Linear, no bias, no hooks) runs inside the composition's
+    autograd node (its gradients from ``dy @ (g*s*B)`` and ``g*s*(dy^T h)``, no ``d_lora`` tensor); a hooked one
+    (ZeRO-3 style gathering, a profiler), or any without the opt-in, is called as a module, hooks firing. Outputs and
+    every gradient match stock PEFT either way."""
     hooked = case == "hooked_lora_B"
     ref, fast = make_pair(MODELS["linear_nobias"], dtype=dtype)
-    if case == "fuse_lora_b_off":
+    if case != "fuse_lora_b_off":  # opt-in (default off)
         fastdora.disable(fast)
-        fastdora.enable(fast, fuse_lora_b=False)
+        fastdora.enable(fast, fuse_lora_b=True)
     calls = []
     if hooked:
         for mod in fast.modules():

@@ -2,24 +2,30 @@
 
     ||W + sBA||^2_row = ||W||^2_row + 2s * rowsum(B * U) + s^2 * rowsum((B @ G) * B),  U = W A^T, G = A A^T
 
-Three launches per module (four when G is split), no temporaries beyond the fp32 results:
+Three launches per module plus one fixed-order sum, no temporaries beyond the fp32 results:
 
 1. ``_norm_gram_kernel`` over ``X = A``: ``G = A A^T`` ``[r, r]`` fp32. Its few output tiles each loop over all of
-   ``d_in``, so the K range is split over programs (partial G's in U's not yet written buffer, then one fixed-order
-   sum: deterministic, no extra memory).
-2. ``_norm_gram_kernel`` over ``X = W``: ``U = W A^T`` ``[d_out, r]`` fp32 and, unless a cached ``base_sq`` is given,
-   ``||W||^2`` per row, reading ``W`` once per rank tile in its storage dtype (any strides: transposed views work).
-   Optionally as the transposed tile ``A W^T`` (``_TRANS``), with the split ``A`` parts as the register operand.
-3. ``_norm_combine_kernel``: ``norm = sqrt(max(base + 2s*rowsum(B*U) + s^2*rowsum((B G)*B), 0))``.
+   ``d_in``, so the K range is split over programs (partial G's, at most U's size, then one fixed-order sum).
+2. ``_norm_gram_kernel`` over ``X = W`` with ``CROSS``: the tiles of ``U = W A^T`` are reduced at once to the cross
+   term's partial sums ``rowsum(B * U_tile)`` per rank tile and K range (``[K ranges * rank tiles, d_out]``; U itself is
+   never stored), and, unless a cached ``base_sq`` is given, ``||W||^2``'s partial sums. ``W`` is read in its storage
+   dtype (any strides: transposed views work), as the transposed tile ``A W^T`` (A's parts are wgmma's register
+   operand). The K range is split when the grid has few tiles (k/v projections).
+3. ``_norm_combine_kernel``: sums the partials in a fixed order, ``norm = sqrt(max(base + 2s*cross +
+   s^2*rowsum((B G)*B), 0))``.
 
-Precision (everything accumulates in fp32):
+Precision (everything accumulates in fp32; every path is run-to-run bitwise deterministic):
 - bf16 ``W`` with fp32 ``A``: ``A`` is split in registers into ``hi + mid + lo`` (each bf16), three bf16 tensor-core
-  products (``W`` is exact in bf16, so ``U`` keeps ~24 bits of ``A``'s mantissa: fp32-level, like the eager path).
-- everything else (fp32 / fp16 ``W``, half-precision adapters, and ``G``): fp32 operands (half-precision tiles are
-  upcast in registers, no copies) with ``input_precision="tf32x3"``: fp32-level accuracy on tensor cores. A single
-  bf16 or tf32 tensor-core product accumulated over ``d_in`` measured ~1e-5 relative norm error on the H200 even
-  for exactly representable (half-precision) operands, so it is not used.
-The working set is ``U`` + ``G`` + two ``[d_out]`` vectors: no fp32 copy of ``W``, no ``[d_out, d_in]`` temporary.
+  products (``W`` is exact in bf16, so ``U`` keeps ~24 bits of ``A``'s mantissa).
+- ``W`` and ``A`` in the same half dtype: one tensor-core product of the exact operands.
+- everything else (fp32 / fp16 ``W`` with fp32 ``A``): fp32 operands with ``input_precision="tf32x3"``.
+- The tensor cores' own accumulation is restarted every K block and the block results are added with fp32 adds: over
+  long chains it measured less exact (one bf16 product chained over d_in: 5e-5 .. 3e-4 relative norm error, and not
+  reproducible run to run, on the H200 with Triton 3.6; restarted: 3.7e-8 .. 4e-8, eager 3.8e-8 .. 4.6e-8).
+- ``G`` (fp32 ``A``) and ``B G`` use fp32 FMAs (``"ieee"``): where the quadratic term dominates the norm, tf32x3 there
+  measured 3.4x eager's error. All modes measured within 2x eager's relative error (tests/test_kernels_gpu.py).
+The working set is at most ``U``'s size (partial G's) + ``G`` + a few ``[d_out]`` vectors: no fp32 copy of ``W``, no
+``[d_out, d_in]`` temporary.
 """
 
 from __future__ import annotations
