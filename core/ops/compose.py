@@ -304,6 +304,21 @@ def _rowsum_product(a: torch.Tensor, b: torch.Tensor, feature_dim: int, acc: tor
     return out
 
 
+def _forward_into_ctx(ctx, impl, result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, feature_dim):
+    """The composition's forward for an autograd node, and what its backward needs on ``ctx``: ``(y, inner)``."""
+    need_dm = magnitude.requires_grad
+    need_dbias = bias is not None and bias.requires_grad and base_delta is None
+    y, inner = impl.compose_fwd(
+        result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, need_dm, feature_dim
+    )
+    ctx.magnitude = magnitude
+    ctx.delta_form = base_delta is not None
+    ctx.dtypes = (result.dtype, lora.dtype, None if base_delta is None else base_delta.dtype)
+    ctx.need_dm, ctx.need_dbias = need_dm, need_dbias
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    return y, inner
+
+
 class _DoraCompose(torch.autograd.Function):
     """Autograd node of the composition. Only the differentiable tensors are inputs of the node; the detached
     ``norm`` and the constants travel in one tuple (fewer arguments: less per-call overhead in ``apply``)."""
@@ -311,21 +326,14 @@ class _DoraCompose(torch.autograd.Function):
     @staticmethod
     def forward(ctx, result, lora, magnitude, bias, base_delta, cfg):
         norm, scale, eps, out_dtype, feature_dim, impl = cfg
-        need_dm = magnitude.requires_grad
-        need_dbias = bias is not None and bias.requires_grad and base_delta is None
-        y, inner = impl.compose_fwd(
-            result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, need_dm, feature_dim
-        )
+        y, inner = _forward_into_ctx(ctx, impl, result, lora, magnitude, norm, scale, eps, bias, base_delta,
+                                     out_dtype, feature_dim)
         # Only the activation-sized ``inner`` goes through save_for_backward (and so through gradient
         # checkpointing's pack/unpack hooks and recomputation). The [d_out] magnitude and norm vectors are plain
         # attributes: the backward reads their values only, and neither is an output of this node (no cycle).
-        if need_dm:
+        if ctx.need_dm:
             ctx.save_for_backward(inner)
-        ctx.magnitude, ctx.cfg = magnitude, cfg
-        ctx.delta_form = base_delta is not None
-        ctx.dtypes = (result.dtype, lora.dtype, None if base_delta is None else base_delta.dtype)
-        ctx.need_dm, ctx.need_dbias = need_dm, need_dbias
-        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.cfg = cfg
         return y
 
     @staticmethod
@@ -368,17 +376,10 @@ class _DoraComposeLoraB(torch.autograd.Function):
             out_dtype = torch.promote_types(result.dtype, lora.dtype)
             if base_delta is not None:
                 out_dtype = torch.promote_types(out_dtype, base_delta.dtype)
-        need_dm = magnitude.requires_grad
-        need_dbias = bias is not None and bias.requires_grad and base_delta is None
-        y, inner = impl.compose_fwd(
-            result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, need_dm, -1
-        )
+        y, inner = _forward_into_ctx(ctx, impl, result, lora, magnitude, norm, scale, eps, bias, base_delta,
+                                     out_dtype, -1)
         ctx.save_for_backward(h, lora_b, inner)
-        ctx.magnitude, ctx.cfg = magnitude, cfg
-        ctx.delta_form = base_delta is not None
-        ctx.dtypes = (result.dtype, lora.dtype, None if base_delta is None else base_delta.dtype)
-        ctx.need_dm, ctx.need_dbias = need_dm, need_dbias
-        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.cfg = cfg
         return y
 
     @staticmethod
