@@ -272,7 +272,8 @@ class FastDoraLinearLayer(_FastDoraMixin, PEFT_CLASSES["DoraLinearLayer"]):
             norm = self._fd_linear_norm(base_layer, lora_A, lora_B, scaling, adapter_name)
             # fused mode with a plain lora_B: its product joins the composition's autograd node (no d_lora pass)
             fuse_b = fastdora_result is not None and self._fd_options().fuse_lora_b and _plain_linear(lora_B)
-            lora = lora_A(x) if fuse_b else lora_B(lora_A(x))
+            h = lora_A(x)
+            lora = None if fuse_b else lora_B(h)
         self._fd_peft_cache(adapter_name, norm)
         eps = eps_for(x.dtype)
         base_delta = None
@@ -284,7 +285,7 @@ class FastDoraLinearLayer(_FastDoraMixin, PEFT_CLASSES["DoraLinearLayer"]):
         if fuse_b:
             return dora_compose_lora_b(
                 fastdora_result,
-                lora,  # h = lora_A(x)
+                h,
                 lora_B.weight,
                 self.weight,
                 norm,
