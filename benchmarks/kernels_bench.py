@@ -310,6 +310,7 @@ def sec_norm_variants():
     wgmma's register operand) over block configurations, and the whole norm per Qwen3-8B shape at r=384 (AMP: bf16
     W, fp32 A/B; pure bf16), each with its relative error against a dense fp64 reference."""
     res = []
+    saved_one = kn._ONE_PRODUCT_HALF
     cases = [(d_out, d_in, 384, "bf16", "fp32") for d_out, d_in in QWEN_SHAPES]
     cases += [(12288, 4096, 384, "bf16", "bf16"), (4096, 4096, 384, "bf16", "bf16"), (4096, 4096, 16, "bf16", "fp32")]
     try:
@@ -322,6 +323,8 @@ def sec_norm_variants():
             rel = _rel_to_dense(W, A, B, s)
             row = {"shape": [d_out, d_in], "r": r, "W": wd, "AB": ad}
             mode = kn._MODE_SPLIT if (wd, ad) == ("bf16", "fp32") else kn._MODE_FP32
+            # session 10's variants: bf16 W and A through the fp32 (tf32x3) mode, not today's one-product default
+            kn._ONE_PRODUCT_HALF = False
             U = torch.empty(d_out, r, device=DEV)
             base = torch.empty(d_out, device=DEV)
             G = torch.empty(r, r, device=DEV)
@@ -359,6 +362,7 @@ def sec_norm_variants():
             _free()
     finally:
         kn._CONFIG_OVERRIDE.clear()
+        kn._ONE_PRODUCT_HALF = saved_one
     RESULTS["norm_variants"] = res
     return res
 
