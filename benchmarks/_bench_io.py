@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import sys
 import traceback
+
+
+def load_package_as(path: str, name: str):
+    """Import the ``fastdora`` package found in ``path`` (``path/fastdora``, e.g. an earlier commit's ``core/``) under
+    the top-level name ``name``, next to the installed one (its modules import each other relatively)."""
+    pkg_dir = os.path.join(path, "fastdora")
+    spec = importlib.util.spec_from_file_location(name, os.path.join(pkg_dir, "__init__.py"),
+                                                  submodule_search_locations=[pkg_dir])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def load_docs(paths: str) -> list:

@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from layer_host_probe import _load_as  # noqa: E402
+from _bench_io import load_package_as  # noqa: E402
 
 
 def main():
@@ -33,7 +33,7 @@ def main():
     a = p.parse_args()
     torch.set_num_threads(1)
     pkgs = {"this checkout": importlib.import_module("fastdora.ops.compose")}
-    _load_as(a.old_pkg, "fastdora_old")
+    load_package_as(a.old_pkg, "fastdora_old")
     pkgs["old"] = importlib.import_module("fastdora_old.ops.compose")
     g = torch.Generator().manual_seed(0)
     bf = torch.bfloat16

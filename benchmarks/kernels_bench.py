@@ -619,17 +619,11 @@ def sec_layer():
 
 def _load_old_norm(path: str):
     """``kernels.norm`` of the fastdora package in ``path/fastdora``, imported under another name."""
-    import importlib.util
-    import os
-
-    pkg_dir = os.path.join(path, "fastdora")
-    spec = importlib.util.spec_from_file_location("fastdora_old", os.path.join(pkg_dir, "__init__.py"),
-                                                  submodule_search_locations=[pkg_dir])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["fastdora_old"] = mod
-    spec.loader.exec_module(mod)
     import importlib
 
+    from _bench_io import load_package_as
+
+    load_package_as(path, "fastdora_old")
     return importlib.import_module("fastdora_old.kernels.norm")
 
 

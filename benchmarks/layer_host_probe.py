@@ -39,21 +39,9 @@ import subprocess
 import sys
 import time
 
+from _bench_io import load_package_as
+
 VARIANTS = ("lora", "peft_dora", "fastdora_eager", "fastdora_stub")
-
-
-def _load_as(path: str, name: str):
-    """Import the ``fastdora`` package found in ``path`` under another top-level name (before/after in one process:
-    fastdora's modules import each other relatively)."""
-    import importlib.util
-
-    pkg_dir = os.path.join(path, "fastdora")
-    spec = importlib.util.spec_from_file_location(name, os.path.join(pkg_dir, "__init__.py"),
-                                                  submodule_search_locations=[pkg_dir])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _stub_impl(oc):
@@ -92,7 +80,7 @@ def worker(a):
     dtype = torch.bfloat16 if a.setup == "bf16" else torch.float32
     pkgs = {"fastdora": importlib.import_module("fastdora")}
     if a.old_pkg:
-        pkgs["old"] = _load_as(a.old_pkg, "fastdora_old")
+        pkgs["old"] = load_package_as(a.old_pkg, "fastdora_old")
     kinds = ("eager", "stub") + (("kpath",) if a.kpath else ())
     variants = ["lora", "peft_dora"] + [f"{label}_{k}" for label in pkgs for k in kinds]
     stub_on = {}  # package label -> [mode]: its dispatch returns the stub / kernel path while that model runs
