@@ -570,7 +570,7 @@ def test_dora_compose_lora_b_gradcheck_and_equals_the_two_step_composition():
     cached = nrm.clone()
     allow_row_coef_cache(cached)
     r, h, dy = mk(5, 6), mk(5, 3), torch.randn(5, 6, generator=g, dtype=F64)
-    for norm in (nrm, cached, cached):  # the cached norm: coefficients and the scaled B reused on the second call
+    for norm in (nrm, cached, cached):  # the cached norm: its row coefficients reused on the second call
         ins = (r, h, B, m)
         y1 = dora_compose_lora_b(r, h, B, m, norm, 0.7, 1e-12, bias=b, kernels="eager")
         g1 = torch.autograd.grad(y1, ins, dy)
@@ -579,7 +579,7 @@ def test_dora_compose_lora_b_gradcheck_and_equals_the_two_step_composition():
         torch.testing.assert_close(y1, y2, rtol=1e-12, atol=1e-12)
         for a, e in zip(g1, g2):
             torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
-    with torch.no_grad():  # B updated in place (an optimizer step without a hook): the scaled copy follows it
+    with torch.no_grad():  # B updated in place (an optimizer step without a hook): d_h follows the new B
         B.mul_(3.0)
     g1 = torch.autograd.grad(dora_compose_lora_b(r, h, B, m, cached, 0.7, 1e-12, kernels="eager"), (h,), dy)
     g2 = torch.autograd.grad(dora_compose(r, torch.nn.functional.linear(h, B), m, cached, 0.7, 1e-12,

@@ -33,7 +33,9 @@ from .. import dispatch
 from .. import distributed as _distributed
 from ..stats import path_key, record
 
-__all__ = ["dora_compose", "dora_compose_lora_b", "compose_fwd_eager", "compose_bwd_eager", "acc_dtype_for", "magnitude_scale"]
+__all__ = [
+    "dora_compose", "dora_compose_lora_b", "compose_fwd_eager", "compose_bwd_eager", "acc_dtype_for", "magnitude_scale"
+]
 
 # tokens processed per chunk in the eager magnitude-gradient reduction (bounds fp32 temporaries)
 _EAGER_ROWS_PER_CHUNK = 4096
