@@ -368,18 +368,18 @@ def sec_norm_variants():
 
 
 # (name, module attributes, accumulation (K blocks per iteration, chained), U split over K or None = automatic)
-_AMP_MODES = [("split3 chain", {}, (1, True), None), ("split3 fresh1", {}, (1, False), None),
+_AMP_MODES = [("split3 fresh1", {}, (1, False), None),
+              ("split3 fresh1 G ieee", {"_G_PREC": "ieee"}, (1, False), None),
+              ("split3 fresh1 BG tf32x3", {"_COMBINE_PREC": "tf32x3"}, (1, False), None),
+              ("split3 fresh1 tf32x3 G,BG", {"_G_PREC": "tf32x3", "_COMBINE_PREC": "tf32x3"}, (1, False), None),
               ("split3 fresh2", {}, (2, False), None),
-              ("split2 chain", {"_SPLIT_PARTS": 2}, (1, True), None),
               ("split2 fresh2", {"_SPLIT_PARTS": 2}, (2, False), None),
-              ("split3 chain U1", {}, (1, True), 1), ("split3 chain U4", {}, (1, True), 4),
-              ("split3 fresh1 tf32x3 G,BG", {"_G_PREC": "tf32x3", "_COMBINE_PREC": "tf32x3"}, (1, False), None)]
-_BF16_MODES = [("tf32x3 chain", {"_ONE_PRODUCT_HALF": False}, (1, True), None),
-               ("tf32x3 fresh1", {"_ONE_PRODUCT_HALF": False}, (1, False), None),
-               ("one chain", {"_ONE_PRODUCT_HALF": True}, (1, True), None),
-               ("one fresh1", {"_ONE_PRODUCT_HALF": True}, (1, False), None),
+              ("split3 fresh1 U 3 stages", {"_CONFIG_OVERRIDE": {1: (128, 128, 32, 8, 3, True)}}, (1, False), None),
+              ("split3 fresh1 U K64", {"_CONFIG_OVERRIDE": {1: (128, 128, 64, 8, 3, True)}}, (1, False), None)]
+_BF16_MODES = [("one fresh1", {"_ONE_PRODUCT_HALF": True}, (1, False), None),
                ("one fresh2", {"_ONE_PRODUCT_HALF": True}, (2, False), None),
-               ("one fresh1 tf32x3 BG", {"_COMBINE_PREC": "tf32x3"}, (1, False), None)]
+               ("one fresh1 tf32x3 BG", {"_COMBINE_PREC": "tf32x3"}, (1, False), None),
+               ("one fresh1 U K64", {"_CONFIG_OVERRIDE": {"one": (128, 128, 64, 8, 3, True)}}, (1, False), None)]
 OLD_KN = None  # --old-pkg: an earlier fastdora's kernels.norm, timed side by side
 
 

@@ -50,11 +50,12 @@ SHAPES = {
                  num_key_value_heads=2, head_dim=16, vocab_size=512, full_layers=2),
 }
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# fastdora_old: --old-pkg's package; fastdora_nofuse: fuse_lora_b=False (lora_B called as a module)
-VARIANTS = ["lora", "peft_dora", "fastdora", "eager", "fastdora_old", "fastdora_nofuse"]
+# fastdora_old: --old-pkg's package; fastdora_nofuse / fastdora_fuse: fuse_lora_b False / True (the default: False)
+VARIANTS = ["lora", "peft_dora", "fastdora", "eager", "fastdora_old", "fastdora_nofuse", "fastdora_fuse"]
 VARIANT_LABEL = {"lora": "PEFT LoRA", "peft_dora": "PEFT DoRA", "fastdora": "fastdora DoRA",
                  "eager": "fastdora eager", "fastdora_old": "fastdora (--old-pkg)",
-                 "fastdora_nofuse": "fastdora, fuse_lora_b=False"}
+                 "fastdora_nofuse": "fastdora, fuse_lora_b=False",
+                 "fastdora_fuse": "fastdora, fuse_lora_b=True"}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -100,7 +101,7 @@ def apply_adapter(model, a, dev):
             if a.setup == "bf16" and p.dtype != torch.bfloat16:
                 p.data = p.data.to(torch.bfloat16)
     info = {}
-    if a.variant in ("fastdora", "eager", "fastdora_old", "fastdora_nofuse"):
+    if a.variant in ("fastdora", "eager", "fastdora_old", "fastdora_nofuse", "fastdora_fuse"):
         if a.variant == "fastdora_old":  # this worker process imports the earlier package as `fastdora`
             if not a.old_pkg:
                 raise RuntimeError("variant fastdora_old needs --old-pkg DIR (DIR/fastdora)")
@@ -112,7 +113,8 @@ def apply_adapter(model, a, dev):
                                f"or PYTHONPATH with core/ mapped to fastdora): {e!r}") from e
         if not hasattr(fastdora, "enable"):
             raise RuntimeError("fastdora has no enable() yet (core/__init__.py not written?)")
-        opts = {"eager": {"kernels": "eager"}, "fastdora_nofuse": {"fuse_lora_b": False}}.get(a.variant, {})
+        opts = {"eager": {"kernels": "eager"}, "fastdora_nofuse": {"fuse_lora_b": False},
+                "fastdora_fuse": {"fuse_lora_b": True}}.get(a.variant, {})
         rep = fastdora.enable(model, **opts)
         info["enable_report"] = _jsonable(rep)
     return model, info
@@ -329,7 +331,7 @@ def plan_configs(plan, layers_q, layers_m):
         # alternating (LoRA, on, off, on, off, PEFT DoRA)
         variants = ("lora", "fastdora") + (("fastdora_old",) if plan.endswith("_ab") else ()) + ("peft_dora",)
         if plan.endswith("_fuse"):
-            variants = ("lora", "fastdora", "fastdora_nofuse", "fastdora", "fastdora_nofuse", "peft_dora")
+            variants = ("lora", "fastdora_fuse", "fastdora_nofuse", "fastdora_fuse", "fastdora_nofuse", "peft_dora")
         add("qwen3-8b", layers_q, 384, setups=(plan.split("_")[0],), variants=variants)
         return cfgs
     if plan == "r16":  # the no-regression check alone (AMP first)
@@ -610,7 +612,8 @@ def plot(doc, png):
     metrics = [("grad_iter_s", "grad iteration (s)"), ("infer_s", "inference fwd (ms)"),
                ("train_peak_alloc_gb", "train peak alloc (GB)")]
     colors = {"lora": "#888888", "peft_dora": "#d62728", "fastdora": "#2ca02c", "eager": "#1f77b4",
-              "fastdora_old": "#9467bd", "fastdora_nofuse": "#17becf"}
+              "fastdora_old": "#9467bd", "fastdora_nofuse": "#17becf",
+              "fastdora_fuse": "#bcbd22"}
     fig, axes = plt.subplots(len(groups), 3, figsize=(15, 3.2 * len(groups)), squeeze=False)
     for gi, g in enumerate(groups):
         ranks = sorted({k[3] for k in idx if k[:3] == g})

@@ -6,6 +6,8 @@
 #            DoRA, and OLD_PKG's fastdora when given; plans "amp[_ab]" / "bf16[_ab]"), merged into
 #            $OUT/model_bench.{json,md,png}
 #   HOST=1: then host_probe.py (host time per micro-batch, GPU kernel-time breakdown), bf16 and AMP
+#   KB=sections: after norm_modes, these kernels_bench.py sections on GPU 0 ($OUT/kernels.json; e.g. compose,layer)
+#   PLAN_AMP / PLAN_BF16: the model benchmark's plans (default amp[_ab] / bf16[_ab])
 #   bash benchmarks/run_norm_modes.sh [OLD_PKG]     (writes $OUT/norm_modes.json, $OUT/norm_modes.log, test logs)
 set -u
 OUT=${OUT:-$PWD/benchmarks/results/session}
@@ -31,7 +33,10 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/test_kernels_gpu.py', '-k', 'nor
   done > "$OUT/gpu_tests_forced.log" 2>&1 ) &
 CUDA_VISIBLE_DEVICES=0 timeout 330 python3 benchmarks/kernels_bench.py --sections norm_modes --out "$OUT/norm_modes.json" \
   ${OLD:+--old-pkg "$OLD"} > "$OUT/norm_modes.log" 2>&1
+[ -n "${KB:-}" ] && CUDA_VISIBLE_DEVICES=0 timeout 240 python3 benchmarks/kernels_bench.py --sections "$KB" \
+  --out "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1
 wait
+[ -n "${KB:-}" ] && grep -vE "^\s*$" "$OUT/kernels.log" | tail -40 | cut -c1-250
 tail -2 "$OUT/gpu_tests.log"; grep -E "^FAILED|Error" "$OUT/gpu_tests.log" | head; cut -c1-300 "$OUT/gpu_tests_forced.log"
 python3 - "$OUT/norm_modes.log" <<'PY'
 import sys, json
@@ -46,9 +51,9 @@ for line in open(sys.argv[1]):
 PY
 if [ "${MODEL:-0}" = 1 ]; then
   ab=""; [ -n "$OLD" ] && ab="_ab"
-  (CUDA_VISIBLE_DEVICES=1 python3 benchmarks/model_bench.py --out /tmp/mb1 --plan bf16$ab --budget-s 240 --repeats 7 \
+  (CUDA_VISIBLE_DEVICES=1 python3 benchmarks/model_bench.py --out /tmp/mb1 --plan ${PLAN_BF16:-bf16$ab} --budget-s 240 --repeats 7 \
     ${OLD:+--old-pkg "$OLD"} > "$OUT/model_bf16.log" 2>&1) &
-  CUDA_VISIBLE_DEVICES=0 python3 benchmarks/model_bench.py --out /tmp/mb0 --plan amp$ab --budget-s 240 --repeats 7 \
+  CUDA_VISIBLE_DEVICES=0 python3 benchmarks/model_bench.py --out /tmp/mb0 --plan ${PLAN_AMP:-amp$ab} --budget-s 240 --repeats 7 \
     ${OLD:+--old-pkg "$OLD"} > "$OUT/model_amp.log" 2>&1
   wait
   python3 benchmarks/model_bench.py --report /tmp/mb0/model_bench.json,/tmp/mb1/model_bench.json --report-out "$OUT" \

@@ -470,6 +470,44 @@ else:
             torch.testing.assert_close(nk, ne, rtol=2e-5, atol=1e-6)
             _envelope(nk, ne, dense, torch.float32, "norm one product")
 
+    @pytest.mark.parametrize("g_prec", ["split", "ieee"])
+    def test_gram_of_fp32_a(g_prec):
+        """G = A A^T of an fp32 A: both operands as bf16 hi + mid + lo, six tensor-core products (default, _MODE_SPLIT2),
+        or fp32 FMAs: within 2x an fp32 matmul's error vs fp64 (A's bf16 leading parts alone are ~1e-3 off), split over
+        K too; and the whole norm where the quadratic term dominates (large s B A) stays within the envelope."""
+        r, d_in, d_out = 19, 260, 23
+        gen = torch.Generator().manual_seed(21)
+        A = torch.randn(r, d_in, generator=gen) / d_in ** 0.5
+        ref = A.double() @ A.double().T
+        e32 = _rel(A @ A.T, ref)
+        assert _rel(A.bfloat16() @ A.bfloat16().T, ref) > 1000 * e32  # the test can tell one product from six
+        consts = []
+        real_launch = kn._GRAM
+
+        def spy(grid, tensors, ints, floats, cs, *rest):
+            consts.append(cs)
+            return real_launch(grid, tensors, ints, floats, cs, *rest)
+
+        saved, kn._G_PREC, kn._GRAM = kn._G_PREC, g_prec, spy
+        try:
+            G = torch.empty(r, r)
+            kn._gram(A, A, G, None, True, gram_of_a=True)
+            parts = torch.empty(3, r, r)
+            kn._gram(A, A, parts, None, True, gram_of_a=True, split=3)
+            W = (torch.randn(d_out, d_in, generator=gen) * 1e-3 / d_in ** 0.5).to(torch.bfloat16)
+            B = torch.randn(d_out, r, generator=gen)
+            nk, _ = kn.factored_norm_triton(W, A, B, 4.0)
+        finally:
+            kn._G_PREC, kn._GRAM = saved, real_launch
+        mode = kn._MODE_SPLIT2 if g_prec == "split" else kn._MODE_FP32
+        assert [c[1] for c in consts[:2]] == [mode, mode] and consts[0][2] == "ieee", consts
+        assert _rel(G, ref) <= 2 * e32 + 1e-9, (_rel(G, ref), e32)
+        assert _rel(parts.sum(0), ref) <= 2 * e32 + 1e-9
+        ne, _ = on.factored_norm_eager(W, A, B, 4.0)
+        dense = torch.linalg.norm(W.double() + 4.0 * B.double() @ A.double(), dim=1)
+        assert _rel(ne, dense) > 0 and _rel(W.double().norm(dim=1), dense) > 0.9  # quadratic-dominated
+        _envelope(nk, ne, dense, torch.float64, "norm, quadratic term dominant")
+
     def test_norm_supports():
         W = torch.randn(8, 6)
         assert not kn.supports(W.double(), torch.randn(2, 6).double(), torch.randn(8, 2).double())

@@ -22,8 +22,10 @@ Precision (everything accumulates in fp32; every path is run-to-run bitwise dete
 - The tensor cores' own accumulation is restarted every K block and the block results are added with fp32 adds: over
   long chains it measured less exact (one bf16 product chained over d_in: 5e-5 .. 3e-4 relative norm error, and not
   reproducible run to run, on the H200 with Triton 3.6; restarted: 3.7e-8 .. 4e-8, eager 3.8e-8 .. 4.6e-8).
-- ``G`` (fp32 ``A``) and ``B G`` use fp32 FMAs (``"ieee"``): where the quadratic term dominates the norm, tf32x3 there
-  measured 3.4x eager's error. All modes measured within 2x eager's relative error (tests/test_kernels_gpu.py).
+- ``G`` (fp32 ``A``): both operands split into bf16 ``hi + mid + lo``, six tensor-core products (every product down
+  to 2^-16 of the leading one), accumulation restarted every K block as above. ``B G`` uses fp32 FMAs (``"ieee"``):
+  where the quadratic term dominates the norm, tf32x3 in G and B G measured 3.4x eager's error. All modes measured
+  within 2x eager's relative error (tests/test_kernels_gpu.py).
 The working set is at most ``U``'s size (partial G's) + ``G`` + a few ``[d_out]`` vectors: no fp32 copy of ``W``, no
 ``[d_out, d_in]`` temporary.
 """
@@ -54,53 +56,70 @@ _W_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # dot modes of _norm_gram_kernel
 _MODE_FP32 = 0  # both operands to fp32, PREC input precision
 _MODE_SPLIT = 1  # half-precision X, fp32 A split into hi + mid + lo in X's dtype
+_MODE_SPLIT2 = 2  # fp32 X and A (G = A A^T), both split into bf16 hi + mid + lo, six products
 
 if AVAILABLE:
 
     @triton.jit
+    def _dot(p, q, acc, UPCAST: tl.constexpr):
+        """acc + p @ q on the tensor cores; UPCAST (Triton interpreter, CPU tensors): an fp32 dot of the same operands
+        (the interpreter's half-precision dot is unreliable; products of exact half-precision operands are exact in
+        fp32, as on the tensor cores)."""
+        if UPCAST:
+            return tl.dot(p.to(tl.float32), q.to(tl.float32), acc, input_precision="ieee")
+        return tl.dot(p, q, acc)
+
+    @triton.jit
+    def _split3(v, dt: tl.constexpr):
+        """v (any float dtype) as hi + mid + lo in dtype dt (bf16: ~24 mantissa bits of an fp32 v)."""
+        v32 = v.to(tl.float32)
+        hi = v32.to(dt)
+        r1 = v32 - hi.to(tl.float32)
+        mid = r1.to(dt)
+        lo = (r1 - mid.to(tl.float32)).to(dt)
+        return hi, mid, lo
+
+    @triton.jit
     def _gram_dots(x, a, acc, MODE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, TRANS: tl.constexpr,
                    NPARTS: tl.constexpr):
-        """acc + the products of one K block: X A^T ([BLOCK_O, BLOCK_R]) or, TRANS, A X^T ([BLOCK_R, BLOCK_O])."""
+        """acc + the products of one K block: X A^T ([BLOCK_O, BLOCK_R]) or, TRANS, A X^T ([BLOCK_R, BLOCK_O]).
+        Products are added smallest first, so the largest lands on the small ones' sum."""
         if MODE == 1:
             # A as NPARTS half-precision parts in X's dtype (hi + mid + lo: ~24 mantissa bits of an fp32 A), one
             # tensor-core product each; NPARTS == 1 with A already in X's dtype: A itself, exact, one product
             if NPARTS == 1:
                 hi = a.to(x.dtype)
+                mid = hi
+                lo = hi
             else:
-                a32 = a.to(tl.float32)
-                hi = a32.to(x.dtype)
-                r1 = a32 - hi.to(tl.float32)
-                mid = r1.to(x.dtype)
+                hi, mid, lo = _split3(a, x.dtype)
+            if TRANS:  # the A parts as the left operand
                 if NPARTS == 3:
-                    lo = (r1 - mid.to(tl.float32)).to(x.dtype)
-            if UPCAST:
-                # Triton interpreter (CPU tensors): fp32 dots (its half-precision dot is unreliable); the
-                # products of the exact half-precision operands equal the tensor-core ones
-                xu = x.to(tl.float32)
-                if TRANS:
-                    if NPARTS == 3:
-                        acc = tl.dot(lo.to(tl.float32), xu, acc, input_precision="ieee")
-                    if NPARTS >= 2:
-                        acc = tl.dot(mid.to(tl.float32), xu, acc, input_precision="ieee")
-                    acc = tl.dot(hi.to(tl.float32), xu, acc, input_precision="ieee")
-                else:
-                    if NPARTS == 3:
-                        acc = tl.dot(xu, lo.to(tl.float32), acc, input_precision="ieee")
-                    if NPARTS >= 2:
-                        acc = tl.dot(xu, mid.to(tl.float32), acc, input_precision="ieee")
-                    acc = tl.dot(xu, hi.to(tl.float32), acc, input_precision="ieee")
-            elif TRANS:
-                if NPARTS == 3:
-                    acc = tl.dot(lo, x, acc)
+                    acc = _dot(lo, x, acc, UPCAST)
                 if NPARTS >= 2:
-                    acc = tl.dot(mid, x, acc)
-                acc = tl.dot(hi, x, acc)
+                    acc = _dot(mid, x, acc, UPCAST)
+                acc = _dot(hi, x, acc, UPCAST)
             else:
                 if NPARTS == 3:
-                    acc = tl.dot(x, lo, acc)
+                    acc = _dot(x, lo, acc, UPCAST)
                 if NPARTS >= 2:
-                    acc = tl.dot(x, mid, acc)
-                acc = tl.dot(x, hi, acc)
+                    acc = _dot(x, mid, acc, UPCAST)
+                acc = _dot(x, hi, acc, UPCAST)
+        elif MODE == 2:
+            # both operands split into bf16 hi + mid + lo (fp32 X and A: G = A A^T), the six products down to
+            # 2^-16 of the leading one: hi.lo, lo.hi, mid.mid, hi.mid, mid.hi, hi.hi (~fp32-level)
+            if TRANS:
+                ph, pm, pl = _split3(a, tl.bfloat16)
+                qh, qm, ql = _split3(x, tl.bfloat16)
+            else:
+                ph, pm, pl = _split3(x, tl.bfloat16)
+                qh, qm, ql = _split3(a, tl.bfloat16)
+            acc = _dot(ph, ql, acc, UPCAST)
+            acc = _dot(pl, qh, acc, UPCAST)
+            acc = _dot(pm, qm, acc, UPCAST)
+            acc = _dot(ph, qm, acc, UPCAST)
+            acc = _dot(pm, qh, acc, UPCAST)
+            acc = _dot(ph, qh, acc, UPCAST)
         elif UPCAST:
             if TRANS:
                 acc = tl.dot(a.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
@@ -306,11 +325,13 @@ _TRANS_SPLIT_CFG = (128, 128, 32, 8, 4, True)
 # 64x64x32 transposed tiles split ~16 ways over d_in: 0.035 ms (d_in 4096) / 0.072 ms (12288) vs 0.066 / 0.17 ms for
 # the 32x32x64 row tiles used before, same or lower error
 _G_CFG = (64, 64, 32, 4, 3, True)
-# Precision of the fp32 products of G = A A^T (fp32 A, mode _MODE_FP32) and of B G in the combine kernel: "ieee" (fp32
-# FMAs) or "tf32x3". Both are small (r^2 d_in and d_out r^2 multiply-adds) but set the error floor where the
-# quadratic term dominates the norm (large s B A): tf32x3 measured 1.3e-7 .. 1.4e-7 relative error there vs eager's
-# 4e-8 (benchmarks/results/h200x2_2026-11-30_s11/gpu_tests_call3.log)
-_G_PREC = "ieee"
+# Products of G = A A^T for an fp32 A: "split" (both operands as bf16 hi + mid + lo, six tensor-core products,
+# _MODE_SPLIT2), "ieee" (fp32 FMAs) or "tf32x3"; and of B G in the combine kernel: "ieee" or "tf32x3". Both are
+# small (r^2 d_in and d_out r^2 multiply-adds) but set the error floor where the quadratic term dominates the norm
+# (large s B A): tf32x3 measured 1.3e-7 .. 1.4e-7 relative error there vs eager's 4e-8
+# (benchmarks/results/h200x2_2026-11-30_s11/gpu_tests_call3.log); "ieee" G costs 0.1-0.25 ms per Qwen3-8B module at
+# r=384 (the AMP norm's "tf32x3 G,BG" column in norm_modes_call4_summary.txt)
+_G_PREC = "split"
 _COMBINE_PREC = "ieee"
 # Accumulation: (K blocks per loop iteration, chained). Chained: the tensor cores accumulate over the whole K range;
 # not chained: each iteration's products start from zero and are added to the running sum with fp32 adds (see
@@ -326,6 +347,8 @@ def _mode_of(x: torch.Tensor, a: torch.Tensor, gram_of_a: bool) -> tuple[int, in
     """(dot mode, products per K block) for X A^T."""
     if x.dtype == torch.bfloat16 and a.dtype == torch.float32 and not gram_of_a:
         return _MODE_SPLIT, _SPLIT_PARTS
+    if gram_of_a and a.dtype == torch.float32 and _G_PREC == "split":
+        return _MODE_SPLIT2, 3
     if _ONE_PRODUCT_HALF and x.dtype == a.dtype and x.dtype in _HALF:
         # both operands exact in the same half dtype: one tensor-core product (A as the register operand)
         return _MODE_SPLIT, 1
@@ -338,6 +361,14 @@ def _mode_of(x: torch.Tensor, a: torch.Tensor, gram_of_a: bool) -> tuple[int, in
     # error vs eager 4e-8..7e-8; session 11 (norm_modes.json) traced that error to the length of the tensor cores'
     # accumulation chain (G's error fell 60x from 1 to 32 K splits).
     return _MODE_FP32, 3
+
+
+def _fp32_prec(gram_of_a: bool) -> str:
+    """input_precision of the fp32-operand dots (_MODE_FP32): tf32x3 for U = W A^T; _G_PREC for G ("split" runs
+    _MODE_SPLIT2 for an fp32 A, so fp32 FMAs remain only for half-precision A's without _ONE_PRODUCT_HALF)."""
+    if not gram_of_a:
+        return "tf32x3"
+    return "ieee" if _G_PREC == "split" else _G_PREC
 
 
 def _config_key(mode: int, nparts: int, gram_of_a: bool):
@@ -420,7 +451,7 @@ def _gram(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, base: Optional[to
         (rows, R, K, k_split, x.stride(0), x.stride(1), a.stride(0), a.stride(1), stride_out, rows * R,
          bb.stride(0), bb.stride(-1)),
         (0.0,),
-        (base is not None, mode, _G_PREC if gram_of_a else "tf32x3", upcast, bool(trans), block_o, block_r, block_k,
+        (base is not None, mode, _fp32_prec(gram_of_a), upcast, bool(trans), block_o, block_r, block_k,
          nparts, group, chain,
          cross),
         warps,
