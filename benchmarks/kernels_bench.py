@@ -369,17 +369,16 @@ def sec_norm_variants():
 
 # (name, module attributes, accumulation (K blocks per iteration, chained), U split over K or None = automatic)
 _AMP_MODES = [("split3 fresh1", {}, (1, False), None),
-              ("split3 fresh1 G ieee", {"_G_PREC": "ieee"}, (1, False), None),
-              ("split3 fresh1 BG tf32x3", {"_COMBINE_PREC": "tf32x3"}, (1, False), None),
-              ("split3 fresh1 tf32x3 G,BG", {"_G_PREC": "tf32x3", "_COMBINE_PREC": "tf32x3"}, (1, False), None),
-              ("split3 fresh2", {}, (2, False), None),
-              ("split2 fresh2", {"_SPLIT_PARTS": 2}, (2, False), None),
-              ("split3 fresh1 U 3 stages", {"_CONFIG_OVERRIDE": {1: (128, 128, 32, 8, 3, True)}}, (1, False), None),
-              ("split3 fresh1 U K64", {"_CONFIG_OVERRIDE": {1: (128, 128, 64, 8, 3, True)}}, (1, False), None)]
+              ("split3 fresh1 BG split6", {"_COMBINE_PREC_WIDE_B": "split"}, (1, False), None),
+              ("split3 fresh1 G,BG ieee", {"_G_PREC": "ieee"}, (1, False), None),
+              ("split3 fresh1 tf32x3 G,BG", {"_G_PREC": "tf32x3", "_COMBINE_PREC_WIDE_B": "tf32x3"}, (1, False), None)]
 _BF16_MODES = [("one fresh1", {"_ONE_PRODUCT_HALF": True}, (1, False), None),
-               ("one fresh2", {"_ONE_PRODUCT_HALF": True}, (2, False), None),
-               ("one fresh1 tf32x3 BG", {"_COMBINE_PREC": "tf32x3"}, (1, False), None),
+               ("one fresh1 BG ieee", {"_COMBINE_PREC": "ieee"}, (1, False), None),
                ("one fresh1 U K64", {"_CONFIG_OVERRIDE": {"one": (128, 128, 64, 8, 3, True)}}, (1, False), None)]
+# Session 12 call 1 (its norm_modes.json; G split or "ieee", B G in fp32 FMAs for every B) also ran "split3 fresh2",
+# "split2 fresh2", "split3 fresh1 U 3 stages", "split3 fresh1 U K64" ({1: (128, 128, 64, 8, 3, True)}), "one fresh2",
+# "one fresh1 tf32x3 BG". Call 7 (norm_modes_bg.json) ran with B G split for every B dtype as the default: its
+# "split3 fresh1" is today's "split3 fresh1 BG split6", its "BG ieee" rows today's defaults.
 OLD_KN = None  # --old-pkg: an earlier fastdora's kernels.norm, timed side by side
 
 

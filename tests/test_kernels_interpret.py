@@ -508,6 +508,40 @@ else:
         assert _rel(ne, dense) > 0 and _rel(W.double().norm(dim=1), dense) > 0.9  # quadratic-dominated
         _envelope(nk, ne, dense, torch.float64, "norm, quadratic term dominant")
 
+    @pytest.mark.parametrize("bprec", ["split", "ieee"])
+    @pytest.mark.parametrize("dname", ["bf16W_fp32AB", "bf16", "fp16", "fp32"])
+    def test_norm_quadratic_term(dname, bprec):
+        """The combine kernel's B G where the quadratic term s^2 rowsum((B G) * B) dominates the norm (tiny W, large
+        s B A), r spanning two rank chunks: G as bf16 hi + mid + lo against B exact in bf16 (3 products) or split (6),
+        or fp32 FMAs (the defaults: split for a bf16 B, FMAs otherwise): within 2x the eager fp32 error vs fp64
+        (dropping one product fails it)."""
+        d_out, d_in, r = 29, 150, 70
+        wdt, adt = NORM_DTYPES[dname]
+        gen = torch.Generator().manual_seed(31)
+        W = (torch.randn(d_out, d_in, generator=gen) * 1e-3 / d_in ** 0.5).to(wdt)
+        A = (torch.randn(r, d_in, generator=gen) / d_in ** 0.5).to(adt)
+        B = torch.randn(d_out, r, generator=gen).to(adt)
+        s = 3.0
+        consts = []
+        real_launch = kn._COMBINE
+
+        def spy(grid, tensors, ints, floats, cs, *rest):
+            consts.append(cs)
+            return real_launch(grid, tensors, ints, floats, cs, *rest)
+
+        saved = kn._COMBINE_PREC, kn._COMBINE_PREC_WIDE_B, kn._COMBINE
+        kn._COMBINE_PREC = kn._COMBINE_PREC_WIDE_B = bprec
+        kn._COMBINE = spy
+        try:
+            nk, _ = kn.factored_norm_triton(W, A, B, s)
+        finally:
+            kn._COMBINE_PREC, kn._COMBINE_PREC_WIDE_B, kn._COMBINE = saved
+        assert consts[0][1:3] == (bprec, 1 if adt == torch.bfloat16 else 3), consts
+        ne, _ = on.factored_norm_eager(W, A, B, s)
+        dense = torch.linalg.norm(W.double() + s * B.double() @ A.double(), dim=1)
+        assert _rel(W.double().norm(dim=1), dense) > 0.99  # the quadratic term is (almost) the whole norm
+        _envelope(nk, ne, dense, torch.float64, f"norm, quadratic term, {dname}, B G {bprec}")
+
     def test_norm_supports():
         W = torch.randn(8, 6)
         assert not kn.supports(W.double(), torch.randn(2, 6).double(), torch.randn(8, 2).double())

@@ -23,9 +23,11 @@ Precision (everything accumulates in fp32; every path is run-to-run bitwise dete
   long chains it measured less exact (one bf16 product chained over d_in: 5e-5 .. 3e-4 relative norm error, and not
   reproducible run to run, on the H200 with Triton 3.6; restarted: 3.7e-8 .. 4e-8, eager 3.8e-8 .. 4.6e-8).
 - ``G`` (fp32 ``A``): both operands split into bf16 ``hi + mid + lo``, six tensor-core products (every product down
-  to 2^-16 of the leading one), accumulation restarted every K block as above. ``B G`` uses fp32 FMAs (``"ieee"``):
-  where the quadratic term dominates the norm, tf32x3 in G and B G measured 3.4x eager's error. All modes measured
-  within 2x eager's relative error (tests/test_kernels_gpu.py).
+  to 2^-16 of the leading one), accumulation restarted every K block as above. ``B G`` (combine kernel) likewise:
+  ``G`` as bf16 parts, ``B`` exact (bf16) or split, 3 or 6 products per rank chunk, restarted per chunk. Where the
+  quadratic term dominates the norm, tf32x3 in G and B G measured 3.4x eager's error. All modes measured within 2x
+  eager's relative error (tests/test_kernels_gpu.py). Only a bf16 ``B`` uses the split by default (3 products, 8-28%
+  faster than fp32 FMAs); for fp32 ``B`` the 6 products were no faster, so fp32 FMAs stay.
 The working set is at most ``U``'s size (partial G's) + ``G`` + a few ``[d_out]`` vectors: no fp32 copy of ``W``, no
 ``[d_out, d_in]`` temporary.
 """
@@ -232,8 +234,9 @@ if AVAILABLE:
         cpart_ptr, bpart_ptr, g_ptr, b_ptr, base_out_ptr, norm_ptr,
         D, R, N_CROSS, N_BASE,
         stride_bo, stride_br,
-        two_s, s_sq,
-        WRITE_BASE: tl.constexpr, PREC: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr,
+        two_s, s_sq, zero,
+        WRITE_BASE: tl.constexpr, PREC: tl.constexpr, B_PARTS: tl.constexpr, UPCAST: tl.constexpr,
+        BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr,
     ):
         # norm = sqrt(max(base + 2s * cross + s^2 * rowsum((B G) * B), 0)): cross and base are the sums, in a fixed
         # order, of the N_CROSS / N_BASE partial rows [*, D] the U pass wrote (base: or the cached row norms, 1 row)
@@ -255,16 +258,34 @@ if AVAILABLE:
             bj = tl.load(b_ptr + offs_o[:, None] * stride_bo + offs_j[None, :] * stride_br, mask=m2, other=0.0)
             bj = bj.to(tl.float32)
             bg = tl.zeros([BLOCK_O, BLOCK_R], dtype=tl.float32)
+            fresh = bg + zero
             for k0 in range(0, R, BLOCK_R):
                 offs_k = k0 + tl.arange(0, BLOCK_R).to(tl.int64)
                 kmask = offs_k < R
                 bk = tl.load(
                     b_ptr + offs_o[:, None] * stride_bo + offs_k[None, :] * stride_br,
                     mask=omask[:, None] & kmask[None, :], other=0.0,
-                ).to(tl.float32)
+                )
                 gk = tl.load(g_ptr + offs_k[:, None] * R + offs_j[None, :], mask=kmask[:, None] & jmask[None, :],
                              other=0.0)
-                bg = tl.dot(bk, gk, bg, input_precision=PREC)
+                if PREC == "split":
+                    # tensor-core products of bf16 parts, restarted per rank chunk: G as hi + mid + lo; B exact in
+                    # bf16 (B_PARTS 1: 3 products) or split too (6 products down to 2^-16 of the leading one)
+                    gh, gm, gl = _split3(gk, tl.bfloat16)
+                    if B_PARTS == 1:
+                        bh = bk.to(tl.bfloat16)
+                        part = _dot(bh, gl, fresh, UPCAST)
+                        part = _dot(bh, gm, part, UPCAST)
+                    else:
+                        bh, bm, bl = _split3(bk, tl.bfloat16)
+                        part = _dot(bh, gl, fresh, UPCAST)
+                        part = _dot(bl, gh, part, UPCAST)
+                        part = _dot(bm, gm, part, UPCAST)
+                        part = _dot(bh, gm, part, UPCAST)
+                        part = _dot(bm, gh, part, UPCAST)
+                    bg += _dot(bh, gh, part, UPCAST)
+                else:
+                    bg = tl.dot(bk.to(tl.float32), gk, bg, input_precision=PREC)
             quad += tl.sum(bg * bj, axis=1)
         sq = base + two_s * cross + s_sq * quad
         tl.store(norm_ptr + offs_o, tl.sqrt_rn(tl.maximum(sq, 0.0)), mask=omask)
@@ -326,13 +347,20 @@ _TRANS_SPLIT_CFG = (128, 128, 32, 8, 4, True)
 # the 32x32x64 row tiles used before, same or lower error
 _G_CFG = (64, 64, 32, 4, 3, True)
 # Products of G = A A^T for an fp32 A: "split" (both operands as bf16 hi + mid + lo, six tensor-core products,
-# _MODE_SPLIT2), "ieee" (fp32 FMAs) or "tf32x3"; and of B G in the combine kernel: "ieee" or "tf32x3". Both are
+# _MODE_SPLIT2), "ieee" (fp32 FMAs) or "tf32x3"; and of B G in the combine kernel: "split" (G as bf16 hi + mid + lo,
+# B exact in bf16 or split too: 3 or 6 tensor-core products per rank chunk), "ieee" or "tf32x3". Both are
 # small (r^2 d_in and d_out r^2 multiply-adds) but set the error floor where the quadratic term dominates the norm
 # (large s B A): tf32x3 measured 1.3e-7 .. 1.4e-7 relative error there vs eager's 4e-8
 # (benchmarks/results/h200x2_2026-11-30_s11/gpu_tests_call3.log); "ieee" G costs 0.1-0.25 ms per Qwen3-8B module at
 # r=384 (the AMP norm's "tf32x3 G,BG" column in norm_modes_call4_summary.txt)
 _G_PREC = "split"
-_COMBINE_PREC = "ieee"
+# B G in the combine kernel: _COMBINE_PREC for a bf16 B (exact operand: 3 products), _COMBINE_PREC_WIDE_B for fp32 /
+# fp16 B. Measured (results/h200_2026-11-30_s12/norm_modes_bg.json, Qwen3-8B shapes r=384, GPU norm tests passed
+# either way): bf16 B, split vs fp32 FMAs 0.119 / 0.094 / 0.230 / 0.207 ms vs 0.136 / 0.112 / 0.319 / 0.225 ms, error
+# 4.3e-8 .. 4.6e-8 vs 3.7e-8 .. 4.0e-8 (eager 3.8e-8 .. 4.6e-8); fp32 B (AMP), 6 products: no faster (0.239 / 0.198 /
+# 0.479 / 0.474 vs 0.227 / 0.186 / 0.510 / 0.464 ms) and 4.4e-8 .. 4.6e-8 vs 3.7e-8 .. 4.0e-8, so fp32 FMAs stay
+_COMBINE_PREC = "split"
+_COMBINE_PREC_WIDE_B = "ieee"
 # Accumulation: (K blocks per loop iteration, chained). Chained: the tensor cores accumulate over the whole K range;
 # not chained: each iteration's products start from zero and are added to the running sum with fp32 adds (see
 # _norm_gram_kernel). Default for every mode: restarted every K block. Measured (norm_modes_call2.json): chained one
@@ -507,13 +535,16 @@ def factored_norm_triton(
         su = _gram(W, A, cpart, bpart if need_base else None, upcast, split=su, b=B)
         block_r = min(64, max(16, _next_pow2(r)))
         block_o = 64 if d_out >= 64 * _num_sms(dev) else 32
+        prec = _COMBINE_PREC if B.dtype == torch.bfloat16 else _COMBINE_PREC_WIDE_B
+        if upcast and prec != "split":  # the interpreter runs fp32 dots as "ieee"
+            prec = "ieee"
         s = float(scale)
         _COMBINE(
             (_launch.cdiv(d_out, block_o),),
             (cpart, bpart, G, B, base, norm),
             (d_out, r, su * n_r, su if need_base else 1, B.stride(0), B.stride(1)),
-            (2.0 * s, s * s),
-            (need_base, _COMBINE_PREC, block_o, block_r),
+            (2.0 * s, s * s, 0.0),
+            (need_base, prec, 1 if B.dtype == torch.bfloat16 else 3, upcast, block_o, block_r),
             4,
         )
     return norm, base
