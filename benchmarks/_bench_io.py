@@ -21,6 +21,25 @@ def load_package_as(path: str, name: str):
     return mod
 
 
+def gc_pause_meter() -> list:
+    """Registers a ``gc.callbacks`` hook adding every collection's duration (ms) to the returned one-element list;
+    the caller resets ``meter[0] = 0.0`` before each measured region."""
+    import gc
+    import time
+
+    meter = [0.0]
+    t0 = [0.0]
+
+    def cb(phase, _info):
+        if phase == "start":
+            t0[0] = time.perf_counter()
+        else:
+            meter[0] += (time.perf_counter() - t0[0]) * 1e3
+
+    gc.callbacks.append(cb)
+    return meter
+
+
 def load_docs(paths: str) -> list:
     """The JSON documents named in ``paths`` (one path, or several separated by commas)."""
     docs = []

@@ -24,9 +24,7 @@ If ``host_ms`` ~ ``wall_ms`` the iteration is host-bound; compilations or syncs 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
-import gc
 import io
 import json
 import os
@@ -40,6 +38,8 @@ import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+
+from _bench_io import gc_pause_meter  # noqa: E402
 
 
 def worker(a):
@@ -59,12 +59,8 @@ def worker(a):
     model, info = mb.apply_adapter(model, a, dev)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(trainable, lr=0.0)
-    ctx = (lambda: torch.autocast(dev.type, dtype=torch.bfloat16)) if a.setup == "amp" else contextlib.nullcontext
-    vocab = mb.SHAPES[a.shape]["vocab_size"]
-    g = torch.Generator(device="cpu").manual_seed(123)
-    micro = [torch.randint(0, vocab, (1, a.seq), generator=g).to(dev) for _ in range(a.ga)]
+    ctx, micro, sync = mb.step_inputs(a, dev)
     cuda = dev.type == "cuda"
-    sync = (lambda: torch.cuda.synchronize(dev)) if cuda else (lambda: None)
 
     def mbatch(ids, n):
         with ctx():
@@ -77,16 +73,7 @@ def worker(a):
         opt.zero_grad(set_to_none=True)
 
     # instrumentation: GC pauses, Triton compilations
-    gc_ms = [0.0]
-    gc_t0 = [0.0]
-
-    def gc_cb(phase, _info):
-        if phase == "start":
-            gc_t0[0] = time.perf_counter()
-        else:
-            gc_ms[0] += (time.perf_counter() - gc_t0[0]) * 1e3
-
-    gc.callbacks.append(gc_cb)
+    gc_ms = gc_pause_meter()
     compiles = []
     try:
         import triton

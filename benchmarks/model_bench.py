@@ -85,6 +85,21 @@ def build_model(cfg_args, dev):
     return model
 
 
+def step_inputs(a, dev):
+    """(autocast context factory of the setup, the GA micro-batches of token ids, a device sync) shared by the
+    model-level scripts (model_bench, host_probe, stall_probe): same seed, same batches."""
+    import contextlib
+
+    import torch
+
+    ctx = (lambda: torch.autocast(dev.type, dtype=torch.bfloat16)) if a.setup == "amp" else contextlib.nullcontext
+    vocab = SHAPES[a.shape]["vocab_size"]
+    g = torch.Generator(device="cpu").manual_seed(123)
+    micro = [torch.randint(0, vocab, (1, a.seq), generator=g).to(dev) for _ in range(a.ga)]
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    return ctx, micro, sync
+
+
 def apply_adapter(model, a, dev):
     import torch
     from peft import LoraConfig, get_peft_model
@@ -141,8 +156,6 @@ def path_counter():
 
 
 def run_worker(a):
-    import contextlib
-
     import torch
     import torch.nn.functional as F
 
@@ -171,10 +184,7 @@ def run_worker(a):
     rec["trainable_dtype"] = str(trainable[0].dtype)
     rec["build_s"] = time.perf_counter() - t_start
     opt = torch.optim.SGD(trainable, lr=0.0)
-    ctx = (lambda: torch.autocast(dev.type, dtype=torch.bfloat16)) if a.setup == "amp" else contextlib.nullcontext
-    vocab = SHAPES[a.shape]["vocab_size"]
-    g = torch.Generator(device="cpu").manual_seed(123)
-    micro = [torch.randint(0, vocab, (1, a.seq), generator=g).to(dev) for _ in range(a.ga)]
+    ctx, micro, _ = step_inputs(a, dev)
     keep = a.loss_tokens + 1
 
     def loss_of(ids):

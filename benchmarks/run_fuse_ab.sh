@@ -4,12 +4,7 @@
 #   GPU 1: tests/test_gpu_layers.py, then model_bench --plan bf16_fuse
 #   bash benchmarks/run_fuse_ab.sh        (writes $OUT/fuse_ab_{amp,bf16}.json and logs)
 set -u
-OUT=${OUT:-$PWD/benchmarks/results/session}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-mkdir -p /tmp/fdp/fastdora && for f in "$PWD"/core/*; do ln -sfn "$f" /tmp/fdp/fastdora/; done
-ln -sfn "$PWD/plugins" /tmp/fdp/fastdora/plugins
-export PYTHONPATH=/tmp/fdp
+source "$(dirname "$0")/_env.sh"  # $OUT, PYTHONPATH -> this checkout's core/ as fastdora
 ( CUDA_VISIBLE_DEVICES=1 timeout 110 python3 -m pytest -q -m gpu tests/test_gpu_layers.py -p no:cacheprovider \
     > "$OUT/gpu_layer_tests.log" 2>&1
   CUDA_VISIBLE_DEVICES=1 python3 benchmarks/model_bench.py --out /tmp/fb --plan bf16_fuse --budget-s 170 --repeats 7 \

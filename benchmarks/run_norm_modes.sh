@@ -10,13 +10,8 @@
 #   PLAN_AMP / PLAN_BF16: the model benchmark's plans (default amp[_ab] / bf16[_ab])
 #   bash benchmarks/run_norm_modes.sh [OLD_PKG]     (writes $OUT/norm_modes.json, $OUT/norm_modes.log, test logs)
 set -u
-OUT=${OUT:-$PWD/benchmarks/results/session}
+source "$(dirname "$0")/_env.sh"  # $OUT, PYTHONPATH -> this checkout's core/ as fastdora
 OLD=${1:-}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-mkdir -p /tmp/fdp/fastdora && for f in "$PWD"/core/*; do ln -sfn "$f" /tmp/fdp/fastdora/; done
-ln -sfn "$PWD/plugins" /tmp/fdp/fastdora/plugins
-export PYTHONPATH=/tmp/fdp
 forced() {  # $1: python statements run on fastdora.kernels.norm (kn) before the norm GPU tests
   CUDA_VISIBLE_DEVICES=1 timeout 150 python3 -c "
 import sys, pytest

@@ -4,12 +4,7 @@
 # on two GPUs. Default plans: amp_fuse then bf16_fuse (LoRA, fuse_lora_b on / off alternating, PEFT DoRA).
 #   bash benchmarks/run_seq.sh [PLAN ...]      (writes $OUT/model_bench.{json,md,png}, $OUT/model_<plan>.log)
 set -u
-OUT=${OUT:-$PWD/benchmarks/results/session}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-mkdir -p /tmp/fdp/fastdora && for f in "$PWD"/core/*; do ln -sfn "$f" /tmp/fdp/fastdora/; done
-ln -sfn "$PWD/plugins" /tmp/fdp/fastdora/plugins
-export PYTHONPATH=/tmp/fdp
+source "$(dirname "$0")/_env.sh"  # $OUT, PYTHONPATH -> this checkout's core/ as fastdora
 plans=("$@"); [ ${#plans[@]} = 0 ] && plans=(amp_fuse bf16_fuse)
 reports=()
 for p in "${plans[@]}"; do

@@ -36,6 +36,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from _bench_io import gc_pause_meter  # noqa: E402
+
 CONDITIONS = ("default", "no_mt_bwd", "no_gc", "switch_1ms", "no_step")
 _ALLOC_KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
 
@@ -63,12 +65,8 @@ def main():
     dev = torch.device("cpu" if a.tiny else "cuda")
     if a.tiny:
         a.shape, a.seq, a.loss_tokens, a.layers, a.rank, a.ga = "tiny", 64, 16, 2, 8, 2
-    ctx = (lambda: torch.autocast(dev.type, dtype=torch.bfloat16)) if a.setup == "amp" else contextlib.nullcontext
-    vocab = mb.SHAPES[a.shape]["vocab_size"]
-    g = torch.Generator(device="cpu").manual_seed(123)
-    micro = [torch.randint(0, vocab, (1, a.seq), generator=g).to(dev) for _ in range(a.ga)]
+    ctx, micro, sync = mb.step_inputs(a, dev)
     cuda = dev.type == "cuda"
-    sync = (lambda: torch.cuda.synchronize(dev)) if cuda else (lambda: None)
 
     runs = {}
     for v in a.variants.split(","):
@@ -115,16 +113,7 @@ def main():
         else:
             yield
 
-    gc_ms = [0.0]
-    gc_t0 = [0.0]
-
-    def gc_cb(phase, _info):
-        if phase == "start":
-            gc_t0[0] = time.perf_counter()
-        else:
-            gc_ms[0] += (time.perf_counter() - gc_t0[0]) * 1e3
-
-    gc.callbacks.append(gc_cb)
+    gc_ms = gc_pause_meter()
     conds = a.conditions.split(",")
     for v in runs:  # warm-up: compile, allocator, cached norms
         for c in conds:

@@ -82,6 +82,17 @@ if AVAILABLE:
         return hi, mid, lo
 
     @triton.jit
+    def _dot6(ph, pm, pl, qh, qm, ql, acc, UPCAST: tl.constexpr):
+        """acc + (ph + pm + pl) @ (qh + qm + ql) to ~fp32 level: the six products down to 2^-16 of the leading one,
+        smallest first (hi.lo, lo.hi, mid.mid, hi.mid, mid.hi, hi.hi)."""
+        acc = _dot(ph, ql, acc, UPCAST)
+        acc = _dot(pl, qh, acc, UPCAST)
+        acc = _dot(pm, qm, acc, UPCAST)
+        acc = _dot(ph, qm, acc, UPCAST)
+        acc = _dot(pm, qh, acc, UPCAST)
+        return _dot(ph, qh, acc, UPCAST)
+
+    @triton.jit
     def _gram_dots(x, a, acc, MODE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, TRANS: tl.constexpr,
                    NPARTS: tl.constexpr):
         """acc + the products of one K block: X A^T ([BLOCK_O, BLOCK_R]) or, TRANS, A X^T ([BLOCK_R, BLOCK_O]).
@@ -108,20 +119,14 @@ if AVAILABLE:
                     acc = _dot(x, mid, acc, UPCAST)
                 acc = _dot(x, hi, acc, UPCAST)
         elif MODE == 2:
-            # both operands split into bf16 hi + mid + lo (fp32 X and A: G = A A^T), the six products down to
-            # 2^-16 of the leading one: hi.lo, lo.hi, mid.mid, hi.mid, mid.hi, hi.hi (~fp32-level)
+            # both operands split into bf16 hi + mid + lo (fp32 X and A: G = A A^T), six products (~fp32-level)
             if TRANS:
                 ph, pm, pl = _split3(a, tl.bfloat16)
                 qh, qm, ql = _split3(x, tl.bfloat16)
             else:
                 ph, pm, pl = _split3(x, tl.bfloat16)
                 qh, qm, ql = _split3(a, tl.bfloat16)
-            acc = _dot(ph, ql, acc, UPCAST)
-            acc = _dot(pl, qh, acc, UPCAST)
-            acc = _dot(pm, qm, acc, UPCAST)
-            acc = _dot(ph, qm, acc, UPCAST)
-            acc = _dot(pm, qh, acc, UPCAST)
-            acc = _dot(ph, qh, acc, UPCAST)
+            acc = _dot6(ph, pm, pl, qh, qm, ql, acc, UPCAST)
         elif UPCAST:
             if TRANS:
                 acc = tl.dot(a.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
@@ -276,14 +281,11 @@ if AVAILABLE:
                         bh = bk.to(tl.bfloat16)
                         part = _dot(bh, gl, fresh, UPCAST)
                         part = _dot(bh, gm, part, UPCAST)
+                        part = _dot(bh, gh, part, UPCAST)
                     else:
                         bh, bm, bl = _split3(bk, tl.bfloat16)
-                        part = _dot(bh, gl, fresh, UPCAST)
-                        part = _dot(bl, gh, part, UPCAST)
-                        part = _dot(bm, gm, part, UPCAST)
-                        part = _dot(bh, gm, part, UPCAST)
-                        part = _dot(bm, gh, part, UPCAST)
-                    bg += _dot(bh, gh, part, UPCAST)
+                        part = _dot6(bh, bm, bl, gh, gm, gl, fresh, UPCAST)
+                    bg += part
                 else:
                     bg = tl.dot(bk.to(tl.float32), gk, bg, input_precision=PREC)
             quad += tl.sum(bg * bj, axis=1)
