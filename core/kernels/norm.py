@@ -102,8 +102,6 @@ if AVAILABLE:
             # tensor-core product each; NPARTS == 1 with A already in X's dtype: A itself, exact, one product
             if NPARTS == 1:
                 hi = a.to(x.dtype)
-                mid = hi
-                lo = hi
             else:
                 hi, mid, lo = _split3(a, x.dtype)
             if TRANS:  # the A parts as the left operand
