@@ -10,6 +10,7 @@ output and gradient is compared with the eager PyTorch reference (``fastdora.ops
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -56,6 +57,22 @@ else:
     def _rel(a, ref):
         a, ref = a.double(), ref.double()
         return ((a - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+    @contextlib.contextmanager
+    def _launches(name):
+        """Every launch through the norm kernels' launcher ``kn.<name>`` as ``(grid, constexprs)`` while it runs."""
+        seen = []
+        real = getattr(kn, name)
+
+        def spy(grid, tensors, ints, floats, cs, *rest):
+            seen.append((grid, cs))
+            return real(grid, tensors, ints, floats, cs, *rest)
+
+        setattr(kn, name, spy)
+        try:
+            yield seen
+        finally:
+            setattr(kn, name, real)
 
     def _envelope(k, e, ref, dtype, what):
         """kernel error vs the fp64 reference <= 2x the eager error + a floor of a few output-dtype ulps"""
@@ -395,20 +412,12 @@ else:
         kn._CONFIG_OVERRIDE[key] = (16, 16, 32, 4, 2, mode == kn._MODE_SPLIT)  # 2 rank tiles, 3 row tiles
         saved_one = kn._ONE_PRODUCT_HALF
         kn._ONE_PRODUCT_HALF = dname == "bf16_one"
-        launches = []
-        real_launch = kn._GRAM
-
-        def spy(grid, tensors, ints, floats, cs, *rest):
-            launches.append((grid, cs))
-            return real_launch(grid, tensors, ints, floats, cs, *rest)
-
-        kn._GRAM = spy
         try:
-            nk, bk = kn.factored_norm_triton(W, A, B, s)
-            nk2, bk2 = kn.factored_norm_triton(W, A, B, s)
-            nk3, _ = kn.factored_norm_triton(W, A, B, s, base_sq=bk)
+            with _launches("_GRAM") as launches:
+                nk, bk = kn.factored_norm_triton(W, A, B, s)
+                nk2, bk2 = kn.factored_norm_triton(W, A, B, s)
+                nk3, _ = kn.factored_norm_triton(W, A, B, s, base_sq=bk)
         finally:
-            kn._GRAM = real_launch
             kn._SPLIT_OVERRIDE.clear()
             kn._ACC_OVERRIDE.clear()
             kn._CONFIG_OVERRIDE.clear()
@@ -448,21 +457,16 @@ else:
             B = (torch.randn(d_out, r, generator=gen) * 0.3).to(hdt)
             ne, _ = on.factored_norm_eager(Wh, Ah, B, 1.3)
             dense = torch.linalg.norm(Wh.double() + 1.3 * B.double() @ Ah.double(), dim=1)
-            consts = []
-            real_launch = kn._GRAM
-
-            def spy(grid, tensors, ints, floats, cs, *rest):
-                consts.append(cs)
-                return real_launch(grid, tensors, ints, floats, cs, *rest)
-
-            saved_one, kn._GRAM = kn._ONE_PRODUCT_HALF, spy
+            saved_one = kn._ONE_PRODUCT_HALF
             kn._ONE_PRODUCT_HALF = True
             try:
-                nk, _ = kn.factored_norm_triton(Wh, Ah, B, 1.3)
-                U = torch.empty(d_out, r)
-                kn._gram(Wh, Ah, U, None, True)
+                with _launches("_GRAM") as launches:
+                    nk, _ = kn.factored_norm_triton(Wh, Ah, B, 1.3)
+                    U = torch.empty(d_out, r)
+                    kn._gram(Wh, Ah, U, None, True)
             finally:
-                kn._ONE_PRODUCT_HALF, kn._GRAM = saved_one, real_launch
+                kn._ONE_PRODUCT_HALF = saved_one
+            consts = [cs for _, cs in launches]
             # (NEED_BASE, MODE, PREC, UPCAST, TRANS, BLOCK_O, BLOCK_R, BLOCK_K, NPARTS, ...): G and U, one product
             assert [(c[1], c[8]) for c in consts] == [(kn._MODE_SPLIT, 1)] * 3, consts
             assert consts[-1][4:8] == kn._TRANS_SPLIT_CFG[5:6] + kn._TRANS_SPLIT_CFG[:3]
@@ -481,24 +485,19 @@ else:
         ref = A.double() @ A.double().T
         e32 = _rel(A @ A.T, ref)
         assert _rel(A.bfloat16() @ A.bfloat16().T, ref) > 1000 * e32  # the test can tell one product from six
-        consts = []
-        real_launch = kn._GRAM
-
-        def spy(grid, tensors, ints, floats, cs, *rest):
-            consts.append(cs)
-            return real_launch(grid, tensors, ints, floats, cs, *rest)
-
-        saved, kn._G_PREC, kn._GRAM = kn._G_PREC, g_prec, spy
+        saved, kn._G_PREC = kn._G_PREC, g_prec
         try:
-            G = torch.empty(r, r)
-            kn._gram(A, A, G, None, True, gram_of_a=True)
-            parts = torch.empty(3, r, r)
-            kn._gram(A, A, parts, None, True, gram_of_a=True, split=3)
-            W = (torch.randn(d_out, d_in, generator=gen) * 1e-3 / d_in ** 0.5).to(torch.bfloat16)
-            B = torch.randn(d_out, r, generator=gen)
-            nk, _ = kn.factored_norm_triton(W, A, B, 4.0)
+            with _launches("_GRAM") as launches:
+                G = torch.empty(r, r)
+                kn._gram(A, A, G, None, True, gram_of_a=True)
+                parts = torch.empty(3, r, r)
+                kn._gram(A, A, parts, None, True, gram_of_a=True, split=3)
+                W = (torch.randn(d_out, d_in, generator=gen) * 1e-3 / d_in ** 0.5).to(torch.bfloat16)
+                B = torch.randn(d_out, r, generator=gen)
+                nk, _ = kn.factored_norm_triton(W, A, B, 4.0)
         finally:
-            kn._G_PREC, kn._GRAM = saved, real_launch
+            kn._G_PREC = saved
+        consts = [cs for _, cs in launches]
         mode = kn._MODE_SPLIT2 if g_prec == "split" else kn._MODE_FP32
         assert [c[1] for c in consts[:2]] == [mode, mode] and consts[0][2] == "ieee", consts
         assert _rel(G, ref) <= 2 * e32 + 1e-9, (_rel(G, ref), e32)
@@ -522,20 +521,14 @@ else:
         A = (torch.randn(r, d_in, generator=gen) / d_in ** 0.5).to(adt)
         B = torch.randn(d_out, r, generator=gen).to(adt)
         s = 3.0
-        consts = []
-        real_launch = kn._COMBINE
-
-        def spy(grid, tensors, ints, floats, cs, *rest):
-            consts.append(cs)
-            return real_launch(grid, tensors, ints, floats, cs, *rest)
-
-        saved = kn._COMBINE_PREC, kn._COMBINE_PREC_WIDE_B, kn._COMBINE
+        saved = kn._COMBINE_PREC, kn._COMBINE_PREC_WIDE_B
         kn._COMBINE_PREC = kn._COMBINE_PREC_WIDE_B = bprec
-        kn._COMBINE = spy
         try:
-            nk, _ = kn.factored_norm_triton(W, A, B, s)
+            with _launches("_COMBINE") as launches:
+                nk, _ = kn.factored_norm_triton(W, A, B, s)
         finally:
-            kn._COMBINE_PREC, kn._COMBINE_PREC_WIDE_B, kn._COMBINE = saved
+            kn._COMBINE_PREC, kn._COMBINE_PREC_WIDE_B = saved
+        consts = [cs for _, cs in launches]
         assert consts[0][1:3] == (bprec, 1 if adt == torch.bfloat16 else 3), consts
         ne, _ = on.factored_norm_eager(W, A, B, s)
         dense = torch.linalg.norm(W.double() + s * B.double() @ A.double(), dim=1)
