@@ -56,6 +56,9 @@ VARIANT_LABEL = {"lora": "PEFT LoRA", "peft_dora": "PEFT DoRA", "fastdora": "fas
                  "eager": "fastdora eager", "fastdora_old": "fastdora (--old-pkg)",
                  "fastdora_nofuse": "fastdora, fuse_lora_b=False",
                  "fastdora_fuse": "fastdora, fuse_lora_b=True"}
+# the variants that run fastdora, with their fastdora.enable() options
+FASTDORA_OPTIONS = {"fastdora": {}, "eager": {"kernels": "eager"}, "fastdora_old": {},
+                    "fastdora_nofuse": {"fuse_lora_b": False}, "fastdora_fuse": {"fuse_lora_b": True}}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -116,7 +119,7 @@ def apply_adapter(model, a, dev):
             if a.setup == "bf16" and p.dtype != torch.bfloat16:
                 p.data = p.data.to(torch.bfloat16)
     info = {}
-    if a.variant in ("fastdora", "eager", "fastdora_old", "fastdora_nofuse", "fastdora_fuse"):
+    if a.variant in FASTDORA_OPTIONS:
         if a.variant == "fastdora_old":  # this worker process imports the earlier package as `fastdora`
             if not a.old_pkg:
                 raise RuntimeError("variant fastdora_old needs --old-pkg DIR (DIR/fastdora)")
@@ -128,9 +131,7 @@ def apply_adapter(model, a, dev):
                                f"or PYTHONPATH with core/ mapped to fastdora): {e!r}") from e
         if not hasattr(fastdora, "enable"):
             raise RuntimeError("fastdora has no enable() yet (core/__init__.py not written?)")
-        opts = {"eager": {"kernels": "eager"}, "fastdora_nofuse": {"fuse_lora_b": False},
-                "fastdora_fuse": {"fuse_lora_b": True}}.get(a.variant, {})
-        rep = fastdora.enable(model, **opts)
+        rep = fastdora.enable(model, **FASTDORA_OPTIONS[a.variant])
         info["enable_report"] = _jsonable(rep)
     return model, info
 
