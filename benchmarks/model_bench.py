@@ -136,6 +136,23 @@ def apply_adapter(model, a, dev):
     return model, info
 
 
+def build_in_process(a, dev, variant):
+    """Model + adapter for ``variant`` in THIS process, for the probes that run several variants side by side
+    (stall_probe, enqueue_probe). ``fastdora_old`` imports ``--old-pkg``'s package under another name next to the
+    current one (``_bench_io.load_package_as``) and enables it on a stock PEFT DoRA model."""
+    a.variant = "peft_dora" if variant == "fastdora_old" else variant
+    model, info = apply_adapter(build_model(a, dev), a, dev)
+    if variant == "fastdora_old":
+        if not getattr(a, "old_pkg", None):
+            raise RuntimeError("variant fastdora_old needs --old-pkg DIR (DIR/fastdora)")
+        from _bench_io import load_package_as
+
+        old = sys.modules.get("fastdora_old") or load_package_as(os.path.abspath(a.old_pkg), "fastdora_old")
+        info["enable_report"] = _jsonable(old.enable(model, **FASTDORA_OPTIONS[variant]))
+    a.variant = variant
+    return model, info
+
+
 def _jsonable(obj):
     import dataclasses
     if dataclasses.is_dataclass(obj):

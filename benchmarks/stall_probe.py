@@ -55,6 +55,7 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--variants", default="lora,fastdora")
     p.add_argument("--conditions", default=",".join(CONDITIONS))
+    p.add_argument("--old-pkg", default=None, help="variant fastdora_old: the fastdora package in DIR/fastdora")
     p.add_argument("--tiny", action="store_true", help="CPU smoke test")
     a = p.parse_args()
     import torch
@@ -70,9 +71,7 @@ def main():
 
     runs = {}
     for v in a.variants.split(","):
-        a.variant = v
-        model = mb.build_model(a, dev)
-        model, info = mb.apply_adapter(model, a, dev)
+        model, info = mb.build_in_process(a, dev, v)
         model.train()
         opt = torch.optim.SGD([q for q in model.parameters() if q.requires_grad], lr=0.0)
         runs[v] = (model, opt, info)

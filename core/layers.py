@@ -113,17 +113,21 @@ _NN_MODULE = torch.nn.modules.module
 _PLAIN_PARAM = (nn.Parameter, torch.Tensor)
 
 
-def _plain_linear(m: nn.Module) -> bool:
-    """An ``nn.Linear`` without bias, hooks (its own or global: ZeRO-3 style gathering, profilers) or a tensor-subclass
-    weight: calling ``F.linear`` on its weight is exactly what calling the module does."""
+def _no_call_hooks(m: nn.Module) -> bool:
+    """Calling ``m.forward`` directly is exactly what ``m(...)`` does: no hooks of its own or global ones (ZeRO-3
+    style gathering, FSDP2 unsharding, profilers) and no ``module.compile()``-d call."""
     return (
-        type(m) is nn.Linear
-        and m.bias is None
-        and type(m.weight) in _PLAIN_PARAM
-        and not (m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks)
+        not (m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks)
         and not (_NN_MODULE._global_forward_pre_hooks or _NN_MODULE._global_forward_hooks
                  or _NN_MODULE._global_backward_pre_hooks or _NN_MODULE._global_backward_hooks)
+        and m.__dict__.get("_compiled_call_impl") is None
     )
+
+
+def _plain_linear(m: nn.Module) -> bool:
+    """An ``nn.Linear`` without bias, hooks or a tensor-subclass weight: calling ``F.linear`` on its weight is exactly
+    what calling the module does."""
+    return type(m) is nn.Linear and m.bias is None and type(m.weight) in _PLAIN_PARAM and _no_call_hooks(m)
 
 
 def _peft_caching_enabled() -> bool:
@@ -144,13 +148,16 @@ class _FastDoraMixin:
         self.__dict__["_fastdora_base"] = None
 
     def _fd_peft_cache(self, adapter_name: Optional[str], norm: torch.Tensor) -> None:
-        # PEFT's DoraCaching semantics for its `_dora_cache` (peft >= 0.19): filled only in eval mode while enabled.
-        if not hasattr(self, "_dora_cache"):
+        # PEFT's DoraCaching semantics for its `_dora_cache` (peft >= 0.19): filled only in eval mode while enabled
+        # (what PEFT's _cache_clear / _cache_store do to that dict, without their calls on the hot path)
+        cache = self.__dict__.get("_dora_cache")
+        if cache is None:
             return
         if (not _peft_caching_enabled()) or self.training or adapter_name is None:
-            self._cache_clear()
+            if cache:
+                cache.clear()
         else:
-            self._cache_store(f"weight-norm-{adapter_name}", norm)
+            cache[f"weight-norm-{adapter_name}"] = norm
 
     def _fd_weight_norm(
         self,
@@ -166,26 +173,30 @@ class _FastDoraMixin:
         ``weight_src`` is the stored base parameter (keyed for the cache); ``weight_fn`` produces the effective
         weight (dequantized / transposed / flattened) only when the norm must be computed.
         """
-        opts = self._fd_options()
-        kernels, budget = opts.kernels, opts.norm_budget_bytes
-        if torch.compiler.is_compiling() or not opts.cache_norm:
-            return factored_norm(weight_fn(), lora_A, lora_B, scale, None, budget, kernels)[0]
+        d = self.__dict__
+        opts = d.get("_fastdora_options") or default_options()
+        if not opts.cache_norm or torch.compiler.is_compiling():
+            return factored_norm(weight_fn(), lora_A, lora_B, scale, None, opts.norm_budget_bytes, opts.kernels)[0]
         if _distributed.active():  # sharding engines: epoch-based key (see fastdora.distributed)
             key = _distributed.cache_key(self, (weight_src, lora_A, lora_B), scale)
             wkey = _distributed.base_key(weight_src)
         else:
             # the optimizer-step epoch catches updates that bump no version counter (fused optimizers, `.data`
             # writes inside optimizers); W, A, B identity + versions catch every other in-place change or swap
-            _distributed._ensure_hooks(self)
+            if not d.get("_fastdora_load_hook") or _distributed._STEP_HOOK is None:
+                _distributed._ensure_hooks(self)
             wkey, akey, bkey = _tkey(weight_src), _tkey(lora_A), _tkey(lora_B)
-            key = None if (akey is None or bkey is None) else (_distributed.epoch(), wkey, akey, bkey, float(scale))
+            key = None if (akey is None or bkey is None) else (_distributed._EPOCH, wkey, akey, bkey, float(scale))
         if key is None or wkey is None:
-            return factored_norm(weight_fn(), lora_A, lora_B, scale, None, budget, kernels)[0]
-        cache = self.__dict__.setdefault("_fastdora_norm", {})
+            return factored_norm(weight_fn(), lora_A, lora_B, scale, None, opts.norm_budget_bytes, opts.kernels)[0]
+        cache = d.get("_fastdora_norm")
+        if cache is None:
+            cache = d["_fastdora_norm"] = {}
         hit = cache.get(adapter_name)
         if hit is not None and hit[0] == key:
-            record("norm:cached")
+            active_path_counter["norm:cached"] += 1  # (record() minus its compile check: not compiling here)
             return hit[1]
+        kernels, budget = opts.kernels, opts.norm_budget_bytes
         base = self.__dict__.get("_fastdora_base")
         base_sq = base[1] if (base is not None and base[0] == wkey) else None
         norm, base_sq = factored_norm(weight_fn(), lora_A, lora_B, scale, base_sq, budget, kernels)
@@ -472,7 +483,8 @@ class FastDoraLinearVariant(PEFT_CLASSES["DoraLinearVariant"]):
         else:
             x = dropout(x)
             base_result = None
-        return mag(
+        # no hooks on the magnitude module: its forward directly (what __call__ would run, minus __call__)
+        return (mag.forward if _no_call_hooks(mag) else mag)(
             x,
             lora_A=module.lora_A[active_adapter],
             lora_B=module.lora_B[active_adapter],

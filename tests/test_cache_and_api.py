@@ -624,3 +624,56 @@ def test_cached_coefficients_are_freed_with_their_norm():
     finally:
         if enabled:
             gc.enable()
+
+
+def test_magnitude_module_hooks_still_run():
+    """The variant calls the magnitude module's forward directly only when ``__call__`` would add nothing: a hook on
+    it (FSDP2 / ZeRO-3 style parameter gathering, profilers) is still called, and the output is unchanged."""
+    ref, fast = make_pair(MLP, dtype=F64)
+    x = model_input(ref.base_model.model, F64)
+    mag = _lin(fast).lora_magnitude_vector["default"]
+    calls = []
+    with torch.no_grad():
+        plain = fast(x)
+        handle = mag.register_forward_pre_hook(lambda m, args, kwargs: calls.append(kwargs["adapter_name"]),
+                                               with_kwargs=True)
+        try:
+            hooked = fast(x)
+        finally:
+            handle.remove()
+        global_handle = nn.modules.module.register_module_forward_hook(lambda m, i, o: calls.append(type(m).__name__))
+        try:
+            fast(x)
+        finally:
+            global_handle.remove()
+        assert_close(hooked, ref(x), F64, "hooked")
+    assert torch.equal(plain, hooked)
+    assert calls[0] == "default" and "FastDoraLinearLayer" in calls[1:]
+
+
+def test_direct_autograd_apply_matches_function_apply():
+    """``dora_compose``'s node is created through the C ``apply`` (skipping ``Function.apply``'s Python layer): same
+    outputs and gradients as the public ``Function.apply``; under a functorch transform it defers to the latter."""
+    from fastdora.ops import compose as oc
+
+    torch.manual_seed(0)
+    res = torch.randn(5, 7, dtype=F64, requires_grad=True)
+    lora = torch.randn(5, 7, dtype=F64, requires_grad=True)
+    mag = torch.rand(7, dtype=F64).add_(0.5).requires_grad_()
+    norm = torch.rand(7, dtype=F64).add_(0.5)
+    dy = torch.randn(5, 7, dtype=F64)
+    cfg = (norm, 0.7, 1e-12, F64, -1, oc.EAGER)
+    outs = []
+    for apply in (oc._COMPOSE_APPLY, oc._DoraCompose.apply):
+        y = apply(res, lora, mag, None, None, cfg)
+        outs.append((y.detach(),) + torch.autograd.grad(y, (res, lora, mag), dy))
+        assert type(y.grad_fn).__name__ == "_DoraComposeBackward"
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    calls = []
+    real = oc._DoraCompose.apply
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(oc._DoraCompose, "apply", lambda *a: calls.append(1) or real(*a))
+        mp.setattr(oc, "_TRANSFORMS_ACTIVE", lambda: True)
+        oc._direct_apply(oc._DoraCompose)(res, lora, mag, None, None, cfg)
+    assert calls == [1]

@@ -73,8 +73,97 @@ def test_first_launch_per_specialisation_compiles_then_reuses(monkeypatch):
     # JIT launches get every argument positionally (pointers, ints, floats, constexprs); fast ones a 3-D grid too
     kind, grid, args, warps = fn.log[0]
     assert grid == (2, 1, 1) and warps == 4 and len(args) == 6 and args[0] is a and args[2:] == (64, 0.5, True, 16)
+    # fast launches: the pointers as integers (Triton's launcher takes them as they are), then the rest
     kind, grid, args = fn.log[1]
-    assert grid == (3, 2, 1) and args[0] is a and args[1] is b and args[2:] == (64, 0.7, True, 16)
+    assert grid == (3, 2, 1) and args == (a.data_ptr(), b.data_ptr(), 64, 0.7, True, 16)
+
+
+def test_fast_launch_passes_tensors_to_launch_hooks(monkeypatch):
+    """With a launch hook installed (a profiler), the fast path hands it the tensors and Triton's launch metadata,
+    as a JIT launch would."""
+    seen = []
+
+    class _HookKnobs:
+        class runtime:
+            launch_enter_hook = staticmethod(lambda meta: seen.append(meta))
+            launch_exit_hook = None
+
+    class _MetaCompiled(_Compiled):
+        def launch_metadata(self, grid, stream, *args):
+            return ("meta", grid, args)
+
+        def run(self, g0, g1, g2, stream, function, packed, meta, enter, exit_, *args):
+            enter(meta)
+            self.log.append(("fast", (g0, g1, g2), args))
+
+    class _MetaJit(_Jit):
+        def __getitem__(self, grid):
+            def run(*args, num_warps):
+                self.log.append(("jit", grid, args, num_warps))
+                return _MetaCompiled(self.log)
+
+            return run
+
+    monkeypatch.setattr(launch, "_raw_stream", lambda dev: 7)
+    monkeypatch.setattr(launch, "_knobs", _HookKnobs)
+    fn = _MetaJit()
+    launcher = launch.Launcher(fn)
+    launcher.fast = True
+    a = torch.zeros(64)
+    for _ in range(2):
+        launcher((2,), (a,), (64,), (0.5,), (True,), 4)
+    assert [e[0] for e in fn.log] == ["jit", "fast"]
+    assert fn.log[1][2][0] is a and seen == [("meta", (2, 1, 1), (a, 64, 0.5, True))]
+
+
+def test_empty_hook_chains_count_as_no_hooks(monkeypatch):
+    """Triton >= 3.5 keeps (empty) hook chains in ``knobs.runtime``: those are no hooks (no metadata, none passed),
+    a chain with a hook in it is one."""
+
+    class _Chain:
+        def __init__(self, calls):
+            self.calls = calls
+
+        def __call__(self, meta):
+            for c in self.calls:
+                c(meta)
+
+    seen = []
+
+    class _ChainKnobs:
+        class runtime:
+            launch_enter_hook = _Chain([])
+            launch_exit_hook = _Chain([])
+
+    class _HookCompiled(_Compiled):
+        def launch_metadata(self, grid, stream, *args):
+            return "meta"
+
+        def run(self, g0, g1, g2, stream, function, packed, meta, enter, exit_, *args):
+            self.log.append(("fast", meta, enter, args[0]))
+            if enter is not None:
+                enter(meta)
+
+    class _HookJit(_Jit):
+        def __getitem__(self, grid):
+            def run(*args, num_warps):
+                self.log.append(("jit", grid, args, num_warps))
+                return _HookCompiled(self.log)
+
+            return run
+
+    monkeypatch.setattr(launch, "_raw_stream", lambda dev: 7)
+    monkeypatch.setattr(launch, "_knobs", _ChainKnobs)
+    fn = _HookJit()
+    launcher = launch.Launcher(fn)
+    launcher.fast = True
+    a = torch.zeros(64)
+    for _ in range(2):
+        launcher((2,), (a,), (64,), (0.5,), (True,), 4)
+    assert fn.log[1] == ("fast", None, None, a.data_ptr())
+    _ChainKnobs.runtime.launch_enter_hook.calls.append(seen.append)
+    launcher((2,), (a,), (64,), (0.5,), (True,), 4)
+    assert fn.log[2][1] == "meta" and fn.log[2][3] is a and seen == ["meta"]
 
 
 def test_not_fast_launches_everything_through_the_jit():

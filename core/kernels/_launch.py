@@ -16,7 +16,9 @@ Triton >= 3.4); otherwise, and under ``TRITON_INTERPRET=1``, every launch goes t
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
+import operator
 from typing import Optional
 
 import torch
@@ -26,7 +28,7 @@ try:  # pragma: no cover - exercised wherever triton is installed
 except Exception:  # pragma: no cover
     JITFunction = None
 
-__all__ = ["Launcher", "FAST_LAUNCH", "spec_key", "device_ctx", "cdiv"]
+__all__ = ["Launcher", "FAST_LAUNCH", "device_ctx", "cdiv"]
 
 _NULL = contextlib.nullcontext()
 
@@ -36,9 +38,14 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# the current CUDA device as an int (torch.cuda.current_device() minus its Python layer; CUDA is initialised wherever
+# a CUDA tensor exists); CPU-only builds have no such binding and never need it
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
 def device_ctx(t: torch.Tensor):
     """Switch the current CUDA device only when ``t`` is on another one (the common case needs no switch)."""
-    if t.is_cuda and t.device.index != torch.cuda.current_device():
+    if t.is_cuda and t.get_device() != _current_device():
         return torch.cuda.device(t.device)
     return _NULL
 
@@ -73,15 +80,14 @@ else:
     _raw_stream = None
 
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
+_data_ptr = torch.Tensor.data_ptr
+_dtype_of = operator.attrgetter("dtype")
+_reduce, _or = functools.reduce, operator.or_
 
 
-def spec_key(tensors: tuple, ints: tuple) -> tuple:
-    """Specialisation-relevant properties of the runtime arguments (see module docstring); floats have none."""
-    return (
-        tuple([t.dtype for t in tensors]),
-        tuple([(t.data_ptr() & 15) == 0 for t in tensors]),
-        tuple([(i == 1, (i & 15) == 0, _I32_MIN <= i <= _I32_MAX) for i in ints]),
-    )
+def _hook_set(hook) -> bool:
+    """A launch hook that does something: not None and, for Triton's hook chains (3.5+), not empty."""
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 class Launcher:
@@ -100,22 +106,45 @@ class Launcher:
                  num_stages: Optional[int] = None):
         if len(grid) < 3:
             grid = tuple(grid) + (1,) * (3 - len(grid))
-        opts = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
         if not self.fast:
-            self.fn[grid](*tensors, *ints, *floats, *consts, **opts)
+            self._jit(grid, tensors, ints, floats, consts, num_warps, num_stages)
             return
-        dev = tensors[0].get_device()
-        key = (spec_key(tensors, ints), consts, num_warps, num_stages, dev)
+        ptrs = list(map(_data_ptr, tensors))
+        key = (
+            tuple(map(_dtype_of, tensors)),
+            # per pointer: 16-byte aligned; per int: == 1, multiple of 16, in int32 range. The common cases (all
+            # pointers aligned; all ints multiples of 16 in (1, 2**31)) in one flag each, the rest spelled out
+            True if not (_reduce(_or, ptrs) & 15) else tuple([(p & 15) == 0 for p in ptrs]),
+            True if (ints and not (_reduce(_or, ints) & 15) and min(ints) > 1 and max(ints) <= _I32_MAX)
+            else tuple([(i == 1, (i & 15) == 0, _I32_MIN <= i <= _I32_MAX) for i in ints]),
+            consts,
+            num_warps,
+            num_stages,
+            tensors[0].get_device(),
+        )
         entry = self.cache.get(key)
         if entry is None:
-            compiled = self.fn[grid](*tensors, *ints, *floats, *consts, **opts)
+            compiled = self._jit(grid, tensors, ints, floats, consts, num_warps, num_stages)
             if compiled is not None:  # launched and compiled; later calls go straight to it
                 self.cache[key] = (compiled, compiled.function, compiled.packed_metadata)
             return
         compiled, function, packed = entry
-        # exactly what ``CompiledKernel.__getitem__(grid)(*args)`` does, minus the closure and driver look-ups
-        stream = _raw_stream(dev)
-        args = (*tensors, *ints, *floats, *consts)
+        # exactly what ``CompiledKernel.__getitem__(grid)(*args)`` does, minus the closure and driver look-ups; the
+        # pointers go as integers (Triton's launcher then skips a ``data_ptr()`` call and a driver pointer query
+        # per tensor: every tensor here is a CUDA tensor the caller holds for the launch)
+        stream = _raw_stream(key[-1])
         rt = _knobs.runtime
+        enter, exit_ = rt.launch_enter_hook, rt.launch_exit_hook
+        if not (_hook_set(enter) or _hook_set(exit_)):
+            # no launch hooks: no launch metadata and no hook calls (Triton >= 3.5 keeps empty hook chains here,
+            # which its own launch would call and build a metadata dict for on every launch)
+            compiled.run(grid[0], grid[1], grid[2], stream, function, packed, None, None, None,
+                         *ptrs, *ints, *floats, *consts)
+            return
+        args = (*tensors, *ints, *floats, *consts)  # a launch hook (profiler) sees the tensors, as from the JIT
         compiled.run(grid[0], grid[1], grid[2], stream, function, packed, compiled.launch_metadata(grid, stream, *args),
-                     rt.launch_enter_hook, rt.launch_exit_hook, *args)
+                     enter, exit_, *args)
+
+    def _jit(self, grid, tensors, ints, floats, consts, num_warps, num_stages):
+        opts = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
+        return self.fn[grid](*tensors, *ints, *floats, *consts, **opts)

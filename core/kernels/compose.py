@@ -404,7 +404,9 @@ def compose_bwd(
         or norm.numel() != N
         or (need_dm and (inner is None or inner.shape != dy.shape))
         or not _kernel_ok(dy, magnitude, norm, inner)
-        or any(d is not None and d not in _KERNEL_DTYPES for d in (result_dtype, lora_dtype, base_delta_dtype))
+        or result_dtype not in _KERNEL_DTYPES
+        or lora_dtype not in _KERNEL_DTYPES
+        or (base_delta_dtype is not None and base_delta_dtype not in _KERNEL_DTYPES)
     ):
         return _ops.compose_bwd_eager(
             dy, magnitude, norm, scale, eps, inner, delta_form, result_dtype, lora_dtype, base_delta_dtype,
@@ -594,17 +596,9 @@ class _TritonImpl:
     """Same interface as ``fastdora.ops.compose.EAGER``."""
 
     name = "triton"
-
-    @staticmethod
-    def compose_fwd(result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, save_inner, feature_dim=-1):
-        return compose_fwd(result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, save_inner,
-                           feature_dim)
-
-    @staticmethod
-    def compose_bwd(dy, magnitude, norm, scale, eps, inner, delta_form, rd, ld, bd, need_dm, need_dbias,
-                    feature_dim=-1, need_dlora=True):
-        return compose_bwd(dy, magnitude, norm, scale, eps, inner, delta_form, rd, ld, bd, need_dm, need_dbias,
-                           feature_dim, need_dlora=need_dlora)
+    # the module functions themselves (no forwarding frame on the hot path); callers pass ``need_dlora`` by keyword
+    compose_fwd = staticmethod(compose_fwd)
+    compose_bwd = staticmethod(compose_bwd)
 
 
 TRITON = _TritonImpl() if AVAILABLE else None

@@ -321,6 +321,30 @@ def _forward_into_ctx(ctx, impl, result, lora, magnitude, norm, scale, eps, bias
     return y, inner
 
 
+_C_FUNCTION_APPLY = torch._C._FunctionBase.__dict__.get("apply")
+_UNWRAP_IF_DEAD = getattr(getattr(torch._C, "_functorch", None), "unwrap_if_dead", None)
+_TRANSFORMS_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", None)
+
+
+def _direct_apply(fn_cls):
+    """``fn_cls.apply`` for a Function with no ``setup_context``, minus the Python layer of ``Function.apply`` (the
+    per-call signature and functorch checks around the C ``apply``): outside functorch transforms it does what that
+    layer does -- unwrap dead functorch wrappers among the tensor arguments -- and calls the C ``apply`` directly.
+    Under functorch transforms (or on a torch without these internals) it is ``fn_cls.apply`` itself."""
+    if _C_FUNCTION_APPLY is None or _UNWRAP_IF_DEAD is None or _TRANSFORMS_ACTIVE is None:  # pragma: no cover
+        return fn_cls.apply
+    c_apply = _C_FUNCTION_APPLY.__get__(None, fn_cls)
+    unwrap = _UNWRAP_IF_DEAD
+    is_tensor = torch.Tensor
+
+    def apply(*args):
+        if _TRANSFORMS_ACTIVE():
+            return fn_cls.apply(*args)
+        return c_apply(*[unwrap(a) if isinstance(a, is_tensor) else a for a in args])
+
+    return apply
+
+
 class _DoraCompose(torch.autograd.Function):
     """Autograd node of the composition. Only the differentiable tensors are inputs of the node; the detached
     ``norm`` and the constants travel in one tuple (fewer arguments: less per-call overhead in ``apply``)."""
@@ -413,6 +437,10 @@ class _DoraComposeLoraB(torch.autograd.Function):
         return d_result, d_h, d_b, dm, d_bias, d_bd, None
 
 
+_COMPOSE_APPLY = _direct_apply(_DoraCompose)
+_COMPOSE_LORA_B_APPLY = _direct_apply(_DoraComposeLoraB)
+
+
 def dora_compose_lora_b(
     result: torch.Tensor,
     h: torch.Tensor,
@@ -440,7 +468,7 @@ def dora_compose_lora_b(
     impl = dispatch.compose_impl(result, h, magnitude, bias, base_delta, -1, kernels)
     if kind is not None:
         record(path_key(kind, impl.name))
-    return _DoraComposeLoraB.apply(result, h, lora_b, magnitude, bias, base_delta, (norm, scale, eps, out_dtype, impl))
+    return _COMPOSE_LORA_B_APPLY(result, h, lora_b, magnitude, bias, base_delta, (norm, scale, eps, out_dtype, impl))
 
 
 class _EagerImpl:
@@ -502,9 +530,8 @@ def dora_compose(
 
 def _apply_autograd(impl):
     def apply(result, lora, magnitude, norm, bias, base_delta, scale, eps, out_dtype, feature_dim):
-        return _DoraCompose.apply(
-            result, lora, magnitude, bias, base_delta, (norm, scale, eps, out_dtype, feature_dim, impl)
-        )
+        cfg = (norm, scale, eps, out_dtype, feature_dim, impl)
+        return _COMPOSE_APPLY(result, lora, magnitude, bias, base_delta, cfg)
 
     return apply
 
