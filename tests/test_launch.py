@@ -29,15 +29,26 @@ class _Compiled:
 
 
 class _Jit:
-    def __init__(self):
+    def __init__(self, compiled_cls=_Compiled):
         self.log = []
+        self.compiled_cls = compiled_cls
 
     def __getitem__(self, grid):
         def run(*args, num_warps):
             self.log.append(("jit", grid, args, num_warps))
-            return _Compiled(self.log)
+            return self.compiled_cls(self.log)
 
         return run
+
+
+def _fast_launcher(monkeypatch, knobs, compiled_cls):
+    """A Launcher on the fast path over a stand-in JIT whose compiled kernels are ``compiled_cls``."""
+    monkeypatch.setattr(launch, "_raw_stream", lambda dev: 7)
+    monkeypatch.setattr(launch, "_knobs", knobs)
+    fn = _Jit(compiled_cls)
+    launcher = launch.Launcher(fn)
+    launcher.fast = True  # the stand-in is no JITFunction
+    return fn, launcher
 
 
 class _Knobs:
@@ -47,11 +58,7 @@ class _Knobs:
 
 
 def test_first_launch_per_specialisation_compiles_then_reuses(monkeypatch):
-    monkeypatch.setattr(launch, "_raw_stream", lambda dev: 7)
-    monkeypatch.setattr(launch, "_knobs", _Knobs)
-    fn = _Jit()
-    launcher = launch.Launcher(fn)
-    launcher.fast = True  # the stand-in is no JITFunction
+    fn, launcher = _fast_launcher(monkeypatch, _Knobs, _Compiled)
     a = torch.zeros(64)
     b = torch.zeros(64, dtype=torch.bfloat16)
     calls = [
@@ -96,19 +103,7 @@ def test_fast_launch_passes_tensors_to_launch_hooks(monkeypatch):
             enter(meta)
             self.log.append(("fast", (g0, g1, g2), args))
 
-    class _MetaJit(_Jit):
-        def __getitem__(self, grid):
-            def run(*args, num_warps):
-                self.log.append(("jit", grid, args, num_warps))
-                return _MetaCompiled(self.log)
-
-            return run
-
-    monkeypatch.setattr(launch, "_raw_stream", lambda dev: 7)
-    monkeypatch.setattr(launch, "_knobs", _HookKnobs)
-    fn = _MetaJit()
-    launcher = launch.Launcher(fn)
-    launcher.fast = True
+    fn, launcher = _fast_launcher(monkeypatch, _HookKnobs, _MetaCompiled)
     a = torch.zeros(64)
     for _ in range(2):
         launcher((2,), (a,), (64,), (0.5,), (True,), 4)
@@ -144,19 +139,7 @@ def test_empty_hook_chains_count_as_no_hooks(monkeypatch):
             if enter is not None:
                 enter(meta)
 
-    class _HookJit(_Jit):
-        def __getitem__(self, grid):
-            def run(*args, num_warps):
-                self.log.append(("jit", grid, args, num_warps))
-                return _HookCompiled(self.log)
-
-            return run
-
-    monkeypatch.setattr(launch, "_raw_stream", lambda dev: 7)
-    monkeypatch.setattr(launch, "_knobs", _ChainKnobs)
-    fn = _HookJit()
-    launcher = launch.Launcher(fn)
-    launcher.fast = True
+    fn, launcher = _fast_launcher(monkeypatch, _ChainKnobs, _HookCompiled)
     a = torch.zeros(64)
     for _ in range(2):
         launcher((2,), (a,), (64,), (0.5,), (True,), 4)
