@@ -174,7 +174,7 @@ class _FastDoraMixin:
         weight (dequantized / transposed / flattened) only when the norm must be computed.
         """
         d = self.__dict__
-        opts = d.get("_fastdora_options") or default_options()
+        opts = self._fd_options()
         if not opts.cache_norm or torch.compiler.is_compiling():
             return factored_norm(weight_fn(), lora_A, lora_B, scale, None, opts.norm_budget_bytes, opts.kernels)[0]
         if _distributed.active():  # sharding engines: epoch-based key (see fastdora.distributed)
@@ -183,10 +183,9 @@ class _FastDoraMixin:
         else:
             # the optimizer-step epoch catches updates that bump no version counter (fused optimizers, `.data`
             # writes inside optimizers); W, A, B identity + versions catch every other in-place change or swap
-            if not d.get("_fastdora_load_hook") or _distributed._STEP_HOOK is None:
-                _distributed._ensure_hooks(self)
+            _distributed._ensure_hooks(self)
             wkey, akey, bkey = _tkey(weight_src), _tkey(lora_A), _tkey(lora_B)
-            key = None if (akey is None or bkey is None) else (_distributed._EPOCH, wkey, akey, bkey, float(scale))
+            key = None if (akey is None or bkey is None) else (_distributed.epoch(), wkey, akey, bkey, float(scale))
         if key is None or wkey is None:
             return factored_norm(weight_fn(), lora_A, lora_B, scale, None, opts.norm_budget_bytes, opts.kernels)[0]
         cache = d.get("_fastdora_norm")
@@ -194,7 +193,7 @@ class _FastDoraMixin:
             cache = d["_fastdora_norm"] = {}
         hit = cache.get(adapter_name)
         if hit is not None and hit[0] == key:
-            active_path_counter["norm:cached"] += 1  # (record() minus its compile check: not compiling here)
+            record("norm:cached")
             return hit[1]
         kernels, budget = opts.kernels, opts.norm_budget_bytes
         base = self.__dict__.get("_fastdora_base")
