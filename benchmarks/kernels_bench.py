@@ -5,6 +5,7 @@ Sections (``--sections``, comma separated; default all):
   compose    forward / backward kernels: achieved bandwidth (bytes that must move / median time) as % of copy
              bandwidth, against the eager PyTorch path, at tokens 8192..16384, d 4096..12288, bf16 / AMP / mixed
   sweep      block-size alternatives of the forward and backward kernels at one large shape
+  evict      (not in the default list) backward kernel, default L2 policy vs evict_first on its dy / inner loads
   norm_variants  (not in the default list) G split over K vs not, U row vs transposed tiles over configurations,
              per Qwen3-8B shape at r=384 (AMP and bf16), with errors vs fp64
   norm_modes  (not in the default list) the whole norm per product mode (AMP: 3 vs 2 split products; bf16: tf32x3
@@ -174,6 +175,26 @@ def sec_sweep(bw_copy):
     res["default_bwd"] = kc._bwd_config(M, N, torch.device(DEV))
     RESULTS["sweep"] = res
     return res
+
+
+def sec_evict(bw_copy):
+    """Backward kernel with the default L2 policy vs ``evict_first`` on its loads of dy and inner (their last use),
+    interleaved, three rounds, at the compose section's large shapes (AMP and bf16)."""
+    rows = []
+    try:
+        for rnd in range(3):
+            for M, N in ((16384, 4096), (16384, 12288), (8192, 4096)):
+                for mode in ("amp", "bf16"):
+                    for policy in (("", "evict_first") if rnd % 2 == 0 else ("evict_first", "")):
+                        kc._BWD_EVICT = policy
+                        r = _compose_case(M, N, mode, bw_copy, with_eager=False)
+                        rows.append({"round": rnd, "tokens": M, "d": N, "mode": mode, "policy": policy or "default",
+                                     "bwd_pct": r["bwd"]["pct_copy"], "bwd_ms": r["bwd"]["ms"]})
+                        print(rows[-1], flush=True)
+    finally:
+        kc._BWD_EVICT = ""
+    RESULTS["evict"] = rows
+    return rows
 
 
 # ------------------------------------------------------------------------------------------------------------ norm
@@ -656,10 +677,10 @@ def main():
         try:
             if sec == "copy":
                 bw = sec_copy()
-            elif sec in ("compose", "sweep"):
+            elif sec in ("compose", "sweep", "evict"):
                 if bw is None:
                     bw = sec_copy()
-                (sec_compose if sec == "compose" else sec_sweep)(bw)
+                {"compose": sec_compose, "sweep": sec_sweep, "evict": sec_evict}[sec](bw)
             elif sec == "norm":
                 sec_norm()
             elif sec == "norm_sweep":

@@ -341,3 +341,21 @@ def test_bwd_variants(monkeypatch, cfg, delta):
             assert _rel(a, red[name]) < 1e-5, name
         else:
             torch.testing.assert_close(a, b, rtol=2 ** -6, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("delta", [False, True], ids=["plain", "delta"])
+def test_bwd_eviction_policy_changes_nothing(monkeypatch, delta):
+    # the backward's L2 policy on its dy / inner loads is a cache hint: every output bitwise identical
+    shape = (4099, 2051)
+    t = _inputs(shape, torch.bfloat16, torch.bfloat16, torch.float32, delta, True, seed=11)
+    _, inner = kc.TRITON.compose_fwd(t["result"], t["lora"], t["magnitude"], t["norm"], SCALE, 1e-6, t["bias"],
+                                     t["base_delta"], torch.bfloat16, True)
+    dy = torch.randn(shape, device=DEV).to(torch.bfloat16)
+    bdt = torch.bfloat16 if delta else None
+    args = (dy, t["magnitude"], t["norm"], SCALE, 1e-6, inner, delta, torch.float32, torch.bfloat16, bdt, True, True)
+    outs = {}
+    for policy in ("", "evict_first"):
+        monkeypatch.setattr(kc, "_BWD_EVICT", policy)
+        outs[policy] = kc.TRITON.compose_bwd(*args)
+    for a, b in zip(outs[""], outs["evict_first"]):
+        assert (a is None and b is None) or torch.equal(a, b)

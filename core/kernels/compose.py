@@ -151,7 +151,7 @@ if AVAILABLE:
         scale, eps,
         DELTA: tl.constexpr, WRITE_DRES: tl.constexpr, WRITE_DLORA: tl.constexpr,
         NEED_DM: tl.constexpr, NEED_DB: tl.constexpr, SOFT_BF16: tl.constexpr, PREFETCH: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVICT: tl.constexpr,
     ):
         # program (pid_m, pid_n): rows [pid_m * rows_per_prog, +rows_per_prog) x one BLOCK_N column block, in
         # BLOCK_M-row tiles; writes the gradients and one fp32 partial row of the magnitude (and bias) reduction
@@ -171,9 +171,10 @@ if AVAILABLE:
         if PREFETCH:
             # software pipelining: the loads of tile i+1 are issued before tile i is computed and stored
             mask = (rows < row_end)[:, None] & cmask[None, :]
-            dy_nx = tl.load(dy_ptr + rows[:, None] * stride_dy + c2, mask=mask, other=0.0)
+            dy_nx = tl.load(dy_ptr + rows[:, None] * stride_dy + c2, mask=mask, other=0.0, eviction_policy=EVICT)
             if NEED_DM:
-                in_nx = tl.load(inner_ptr + rows[:, None] * stride_inner + c2, mask=mask, other=0.0)
+                in_nx = tl.load(inner_ptr + rows[:, None] * stride_inner + c2, mask=mask, other=0.0,
+                                    eviction_policy=EVICT)
             else:
                 in_nx = dy_nx
             for i in range(0, rows_per_prog, BLOCK_M):
@@ -183,9 +184,10 @@ if AVAILABLE:
                 cur = mask
                 rows = rows + BLOCK_M
                 mask = (rows < row_end)[:, None] & cmask[None, :]
-                dy_nx = tl.load(dy_ptr + rows[:, None] * stride_dy + c2, mask=mask, other=0.0)
+                dy_nx = tl.load(dy_ptr + rows[:, None] * stride_dy + c2, mask=mask, other=0.0, eviction_policy=EVICT)
                 if NEED_DM:
-                    in_nx = tl.load(inner_ptr + rows[:, None] * stride_inner + c2, mask=mask, other=0.0)
+                    in_nx = tl.load(inner_ptr + rows[:, None] * stride_inner + c2, mask=mask, other=0.0,
+                                    eviction_policy=EVICT)
                 else:
                     in_nx = dy_nx
                 acc_dm, acc_db = _bwd_tile(
@@ -197,9 +199,11 @@ if AVAILABLE:
             for i in range(0, rows_per_prog, BLOCK_M):
                 r2 = rows[:, None]
                 mask = (rows < row_end)[:, None] & cmask[None, :]
-                dy = tl.load(dy_ptr + r2 * stride_dy + c2, mask=mask, other=0.0).to(tl.float32)
+                dy = tl.load(dy_ptr + r2 * stride_dy + c2, mask=mask, other=0.0, eviction_policy=EVICT)
+                dy = dy.to(tl.float32)
                 if NEED_DM:
-                    inner = tl.load(inner_ptr + r2 * stride_inner + c2, mask=mask, other=0.0).to(tl.float32)
+                    inner = tl.load(inner_ptr + r2 * stride_inner + c2, mask=mask, other=0.0, eviction_policy=EVICT)
+                    inner = inner.to(tl.float32)
                 else:
                     inner = dy
                 acc_dm, acc_db = _bwd_tile(
@@ -252,6 +256,10 @@ if AVAILABLE:
 # --------------------------------------------------------------------------------------------------------------------
 # block-size heuristics
 # --------------------------------------------------------------------------------------------------------------------
+
+# L2 eviction policy of the backward's loads of dy and inner (their last use): "" (the default policy) or
+# "evict_first"; benchmarks/kernels_bench.py --sections evict compares them
+_BWD_EVICT = ""
 
 # benchmarks/kernels_bench.py may set these to sweep configurations: {"fwd": (BLOCK_M, BLOCK_N, warps), "bwd": ...}
 _CONFIG_OVERRIDE: dict = {}
@@ -454,7 +462,7 @@ def compose_bwd(
             (M, N, rows_per_prog, dys, ins, dres_s, dl_s, dbd_s),
             (float(scale), float(eps)),
             (bool(delta_form), write_dres, d_lora is not None, bool(need_dm), need_dbias, soft, prefetch,
-             block_m, block_n),
+             block_m, block_n, _BWD_EVICT),
             warps,
         )
         if need_dm or need_dbias:
