@@ -455,17 +455,26 @@ def _u_split(rows: int, R: int, K: int, cfg: tuple, device: torch.device) -> int
     return max(1, min(8, _launch.cdiv(6 * _num_sms(device), tiles), K // 512))
 
 
+def _gram_plan(x: torch.Tensor, a: torch.Tensor, gram_of_a: bool) -> tuple:
+    """``(mode, nparts, config)`` of ``x @ a^T``: the product mode (``_mode_of``) and its tile configuration
+    (``_gram_config``), derived once per pass."""
+    mode, nparts = _mode_of(x, a, gram_of_a)
+    return mode, nparts, _gram_config(x.shape[0], a.shape[0], x.device, mode, gram_of_a, nparts)
+
+
 def _gram(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, base: Optional[torch.Tensor], upcast: bool,
-          gram_of_a: bool = False, split: int = 1, b: Optional[torch.Tensor] = None) -> int:
+          gram_of_a: bool = False, split: int = 1, b: Optional[torch.Tensor] = None, plan: Optional[tuple] = None
+          ) -> int:
     """out = x @ a^T (fp32), and base = rowsum(x^2) when given. ``split > 1``: ``out`` is ``[split, rows, R]``
     contiguous and receives the partial products of up to ``split`` equal K ranges (``base``: ``[split, rows]``).
     With ``b`` (the cross term): ``out`` is ``[split * n_r, rows]`` and receives ``rowsum(b * (x @ a^T))`` per K range
     and rank tile (n_r = rank tiles of the configuration); the product itself is never stored. Returns the number of
-    ranges used (K ranges are whole BLOCK_K multiples, so it can be smaller than ``split``)."""
+    ranges used (K ranges are whole BLOCK_K multiples, so it can be smaller than ``split``). ``plan``: the caller's
+    ``_gram_plan(x, a, gram_of_a)``, when it already derived it."""
     rows, K = x.shape
     R = a.shape[0]
-    mode, nparts = _mode_of(x, a, gram_of_a)
-    block_o, block_r, block_k, warps, stages, trans = _gram_config(rows, R, x.device, mode, gram_of_a, nparts)
+    mode, nparts, cfg = plan if plan is not None else _gram_plan(x, a, gram_of_a)
+    block_o, block_r, block_k, warps, stages, trans = cfg
     group, chain = _ACC_OVERRIDE.get(_config_key(mode, nparts, gram_of_a), _ACC_DEFAULT)
     k_split = _launch.cdiv(_launch.cdiv(K, split), block_k) * block_k
     split = _launch.cdiv(K, k_split)
@@ -521,8 +530,8 @@ def factored_norm_triton(
             del parts
         else:
             _gram(A, A, G, None, upcast, gram_of_a=True)
-        mode, nparts = _mode_of(W, A, False)
-        cfg = _gram_config(d_out, r, dev, mode, False, nparts)
+        plan = _gram_plan(W, A, False)
+        cfg = plan[2]
         su = _u_split(d_out, r, d_in, cfg, dev)
         n_r = _launch.cdiv(r, cfg[1])
         cpart = torch.empty((su * n_r, d_out), dtype=f32, device=dev)
@@ -532,7 +541,7 @@ def factored_norm_triton(
         else:
             base = base_sq.detach().reshape(-1).to(device=dev, dtype=f32).contiguous()
             bpart = base
-        su = _gram(W, A, cpart, bpart if need_base else None, upcast, split=su, b=B)
+        su = _gram(W, A, cpart, bpart if need_base else None, upcast, split=su, b=B, plan=plan)
         block_r = min(64, max(16, _next_pow2(r)))
         block_o = 64 if d_out >= 64 * _num_sms(dev) else 32
         prec = _COMBINE_PREC if B.dtype == torch.bfloat16 else _COMBINE_PREC_WIDE_B
