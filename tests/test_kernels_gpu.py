@@ -317,18 +317,24 @@ def test_factored_norm_realistic_scales(wdt, adt):
     _envelope(nk, ne, dense, torch.float32, "norm", NORM_FLOOR)
 
 
-@pytest.mark.parametrize("cfg", [(64, 128, 8, 8, False), (64, 128, 8, 8, True), (32, 256, 8, 4, True)], ids=str)
-@pytest.mark.parametrize("delta", [False, True], ids=["plain", "delta"])
-def test_bwd_variants(monkeypatch, cfg, delta):
-    # the backward kernel's loop variants (plain / software-prefetched) and row splits
-    monkeypatch.setitem(kc._CONFIG_OVERRIDE, "bwd", cfg)
-    shape = (2049, 4099)
-    t = _inputs(shape, torch.bfloat16, torch.bfloat16, torch.float32, delta, True, seed=9)
+def _bwd_args(shape, delta, seed):
+    """(compose_bwd arguments, inputs) of a bf16 plain / delta composition with bias and an fp32 magnitude."""
+    t = _inputs(shape, torch.bfloat16, torch.bfloat16, torch.float32, delta, True, seed=seed)
     _, inner = kc.TRITON.compose_fwd(t["result"], t["lora"], t["magnitude"], t["norm"], SCALE, 1e-6, t["bias"],
                                      t["base_delta"], torch.bfloat16, True)
     dy = torch.randn(shape, device=DEV).to(torch.bfloat16)
     bdt = torch.bfloat16 if delta else None
     args = (dy, t["magnitude"], t["norm"], SCALE, 1e-6, inner, delta, torch.float32, torch.bfloat16, bdt, True, True)
+    return args, t
+
+
+@pytest.mark.parametrize("cfg", [(64, 128, 8, 8, False), (64, 128, 8, 8, True), (32, 256, 8, 4, True)], ids=str)
+@pytest.mark.parametrize("delta", [False, True], ids=["plain", "delta"])
+def test_bwd_variants(monkeypatch, cfg, delta):
+    # the backward kernel's loop variants (plain / software-prefetched) and row splits
+    monkeypatch.setitem(kc._CONFIG_OVERRIDE, "bwd", cfg)
+    args, t = _bwd_args((2049, 4099), delta, seed=9)
+    dy, inner = args[0], args[5]
     gk = kc.TRITON.compose_bwd(*args)
     ge = oc.compose_bwd_eager(*args)
     red = {"dm": (dy.double() * inner.double()).sum(0) / t["norm"].double(),
@@ -346,13 +352,7 @@ def test_bwd_variants(monkeypatch, cfg, delta):
 @pytest.mark.parametrize("delta", [False, True], ids=["plain", "delta"])
 def test_bwd_eviction_policy_changes_nothing(monkeypatch, delta):
     # the backward's L2 policy on its dy / inner loads is a cache hint: every output bitwise identical
-    shape = (4099, 2051)
-    t = _inputs(shape, torch.bfloat16, torch.bfloat16, torch.float32, delta, True, seed=11)
-    _, inner = kc.TRITON.compose_fwd(t["result"], t["lora"], t["magnitude"], t["norm"], SCALE, 1e-6, t["bias"],
-                                     t["base_delta"], torch.bfloat16, True)
-    dy = torch.randn(shape, device=DEV).to(torch.bfloat16)
-    bdt = torch.bfloat16 if delta else None
-    args = (dy, t["magnitude"], t["norm"], SCALE, 1e-6, inner, delta, torch.float32, torch.bfloat16, bdt, True, True)
+    args, _ = _bwd_args((4099, 2051), delta, seed=11)
     outs = {}
     for policy in ("", "evict_first"):
         monkeypatch.setattr(kc, "_BWD_EVICT", policy)
