@@ -148,16 +148,13 @@ class _FastDoraMixin:
         self.__dict__["_fastdora_base"] = None
 
     def _fd_peft_cache(self, adapter_name: Optional[str], norm: torch.Tensor) -> None:
-        # PEFT's DoraCaching semantics for its `_dora_cache` (peft >= 0.19): filled only in eval mode while enabled
-        # (what PEFT's _cache_clear / _cache_store do to that dict, without their calls on the hot path)
-        cache = self.__dict__.get("_dora_cache")
-        if cache is None:
+        # PEFT's DoraCaching semantics for its `_dora_cache` (peft >= 0.19): filled only in eval mode while enabled.
+        if not hasattr(self, "_dora_cache"):
             return
         if (not _peft_caching_enabled()) or self.training or adapter_name is None:
-            if cache:
-                cache.clear()
+            self._cache_clear()
         else:
-            cache[f"weight-norm-{adapter_name}"] = norm
+            self._cache_store(f"weight-norm-{adapter_name}", norm)
 
     def _fd_weight_norm(
         self,
@@ -173,10 +170,10 @@ class _FastDoraMixin:
         ``weight_src`` is the stored base parameter (keyed for the cache); ``weight_fn`` produces the effective
         weight (dequantized / transposed / flattened) only when the norm must be computed.
         """
-        d = self.__dict__
         opts = self._fd_options()
-        if not opts.cache_norm or torch.compiler.is_compiling():
-            return factored_norm(weight_fn(), lora_A, lora_B, scale, None, opts.norm_budget_bytes, opts.kernels)[0]
+        kernels, budget = opts.kernels, opts.norm_budget_bytes
+        if torch.compiler.is_compiling() or not opts.cache_norm:
+            return factored_norm(weight_fn(), lora_A, lora_B, scale, None, budget, kernels)[0]
         if _distributed.active():  # sharding engines: epoch-based key (see fastdora.distributed)
             key = _distributed.cache_key(self, (weight_src, lora_A, lora_B), scale)
             wkey = _distributed.base_key(weight_src)
@@ -187,15 +184,12 @@ class _FastDoraMixin:
             wkey, akey, bkey = _tkey(weight_src), _tkey(lora_A), _tkey(lora_B)
             key = None if (akey is None or bkey is None) else (_distributed.epoch(), wkey, akey, bkey, float(scale))
         if key is None or wkey is None:
-            return factored_norm(weight_fn(), lora_A, lora_B, scale, None, opts.norm_budget_bytes, opts.kernels)[0]
-        cache = d.get("_fastdora_norm")
-        if cache is None:
-            cache = d["_fastdora_norm"] = {}
+            return factored_norm(weight_fn(), lora_A, lora_B, scale, None, budget, kernels)[0]
+        cache = self.__dict__.setdefault("_fastdora_norm", {})
         hit = cache.get(adapter_name)
         if hit is not None and hit[0] == key:
             record("norm:cached")
             return hit[1]
-        kernels, budget = opts.kernels, opts.norm_budget_bytes
         base = self.__dict__.get("_fastdora_base")
         base_sq = base[1] if (base is not None and base[0] == wkey) else None
         norm, base_sq = factored_norm(weight_fn(), lora_A, lora_B, scale, base_sq, budget, kernels)
