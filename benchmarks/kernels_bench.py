@@ -6,6 +6,7 @@ Sections (``--sections``, comma separated; default all):
              bandwidth, against the eager PyTorch path, at tokens 8192..16384, d 4096..12288, bf16 / AMP / mixed
   sweep      block-size alternatives of the forward and backward kernels at one large shape
   evict      (not in the default list) backward kernel, default L2 policy vs evict_first on its dy / inner loads
+  bwd_sweep  (not in the default list) backward kernel configurations incl. an exact grid and pipelining stages
   norm_variants  (not in the default list) G split over K vs not, U row vs transposed tiles over configurations,
              per Qwen3-8B shape at r=384 (AMP and bf16), with errors vs fp64
   norm_modes  (not in the default list) the whole norm per product mode (AMP: 3 vs 2 split products; bf16: tf32x3
@@ -96,7 +97,7 @@ def _make(M, N, mode, seed=0):
     return t, odt
 
 
-def _compose_case(M, N, mode, bw_copy, with_eager=True):
+def _compose_case(M, N, mode, bw_copy, with_eager=True, only=None):
     t, odt = _make(M, N, mode)
     rdt, ldt, mdt, _ = MODES[mode]
     idt = torch.promote_types(rdt, ldt)
@@ -115,6 +116,8 @@ def _compose_case(M, N, mode, bw_copy, with_eager=True):
         ("fwd_infer", lambda: kc.TRITON.compose_fwd(*args, False), fwd_inf_bytes),
         ("bwd", lambda: kc.TRITON.compose_bwd(*bargs), bwd_bytes),
     ):
+        if only is not None and name != only:
+            continue
         ms = bench(fn, warmup=50, rep=COMPOSE_REP)
         bw = nbytes / (ms * 1e-3)
         out[name] = {"ms": ms, "bytes": nbytes, "GBps": bw / 1e9, "pct_copy": 100 * bw / bw_copy}
@@ -194,6 +197,47 @@ def sec_evict(bw_copy):
     finally:
         kc._BWD_EVICT = ""
     RESULTS["evict"] = rows
+    return rows
+
+
+# (BLOCK_M, BLOCK_N, warps, programs per SM, prefetch, exact rows per program, pipelining stages or None)
+BWD_SWEEP = [(64, 128, 8, 8, False, False, None), (64, 128, 8, 8, False, True, None), (64, 128, 8, 8, False, False, 1),
+             (64, 128, 8, 8, False, False, 2), (32, 128, 4, 16, False, False, None), (32, 128, 4, 16, False, True, None),
+             (32, 256, 8, 8, False, False, None), (32, 256, 8, 8, False, True, None), (128, 64, 8, 8, False, True, None),
+             (64, 128, 8, 4, False, True, None), (16, 256, 4, 16, False, True, None), (64, 256, 16, 4, False, True, None)]
+
+
+BWD_ROUNDS = 1
+
+
+def sec_bwd_sweep(bw_copy):
+    """Backward kernel configurations (BWD_SWEEP: tiles, warps, programs per SM, rows per program rounded to whole
+    tiles or exact so the grid is exactly programs-per-SM x SMs, loop pipelining stages), interleaved over 3 rounds
+    (round-robin order rotated each round) at 16384x4096 AMP and bf16; then every configuration once at 16384x12288
+    and 8192x4096 AMP. % of copy bandwidth, ms."""
+    rows = []
+    shapes = [((16384, 4096), "amp", 3), ((16384, 4096), "bf16", 3), ((16384, 12288), "amp", BWD_ROUNDS),
+              ((8192, 4096), "amp", BWD_ROUNDS), ((16384, 12288), "bf16", BWD_ROUNDS - 1), ((8192, 12288), "amp", BWD_ROUNDS - 1)]
+    try:
+        for (M, N), mode, rounds in shapes:
+            for rnd in range(rounds):
+                order = BWD_SWEEP[rnd % len(BWD_SWEEP):] + BWD_SWEEP[:rnd % len(BWD_SWEEP)]
+                for cfg in order:
+                    kc._CONFIG_OVERRIDE["bwd"] = cfg[:6]
+                    kc._BWD_STAGES = cfg[6]
+                    try:
+                        r = _compose_case(M, N, mode, bw_copy, with_eager=False, only="bwd")
+                        row = {"tokens": M, "d": N, "mode": mode, "round": rnd, "cfg": list(cfg),
+                               "bwd_pct": r["bwd"]["pct_copy"], "bwd_ms": r["bwd"]["ms"]}
+                    except Exception as e:  # out of resources
+                        row = {"tokens": M, "d": N, "mode": mode, "round": rnd, "cfg": list(cfg),
+                               "error": f"{type(e).__name__}: {str(e)[:200]}"}
+                    rows.append(row)
+                    print(row, flush=True)
+    finally:
+        kc._CONFIG_OVERRIDE.clear()
+        kc._BWD_STAGES = None
+    RESULTS["bwd_sweep"] = rows
     return rows
 
 
@@ -390,16 +434,23 @@ def sec_norm_variants():
 
 # (name, module attributes, accumulation (K blocks per iteration, chained), U split over K or None = automatic)
 _AMP_MODES = [("split3 fresh1", {}, (1, False), None),
-              ("split3 fresh1 BG split6", {"_COMBINE_PREC_WIDE_B": "split"}, (1, False), None),
-              ("split3 fresh1 G,BG ieee", {"_G_PREC": "ieee"}, (1, False), None),
-              ("split3 fresh1 tf32x3 G,BG", {"_G_PREC": "tf32x3", "_COMBINE_PREC_WIDE_B": "tf32x3"}, (1, False), None)]
+              ("split3 fresh1 BG combine", {"_QUAD_IN_U": False}, (1, False), None),
+              ("split3 U K64 s3", {"_CONFIG_OVERRIDE": {1: (128, 128, 64, 8, 3, True)}}, (1, False), None)]
+# Session 14 call 2 also ran (U configurations, BLOCK_O x BLOCK_R x BLOCK_K, stages; results/h200_2026-11-30_s14/):
+# 128x128x32 s3, 128x128x64 s3 (2-5% faster, but over the envelope where the quadratic term dominates: call 3),
+# 256x128x32 s3 (2x slower: spills), the same chained, split3 chained (1e-3 error, not deterministic), 128x64x32
+# 4 warps, 256x64x32 8 warps. Call 3 ran with the split mode at 128x128x64 s3 as default and "split3 U K32 s4" (today's
+# default) as the variant.
 _BF16_MODES = [("one fresh1", {"_ONE_PRODUCT_HALF": True}, (1, False), None),
-               ("one fresh1 BG ieee", {"_COMBINE_PREC": "ieee"}, (1, False), None),
-               ("one fresh1 U K64", {"_CONFIG_OVERRIDE": {"one": (128, 128, 64, 8, 3, True)}}, (1, False), None)]
+               ("one fresh1 BG combine", {"_QUAD_IN_U": False}, (1, False), None),
+               ("one fresh1 U K32", {"_CONFIG_OVERRIDE": {"one": (128, 128, 32, 8, 4, True)}}, (1, False), None)]
+# ("U K32": session 13's U configuration for the one-product mode; 128x128x64, 3 stages (_ONE_CFG) since session 14)
+# "BG combine": B G in the combine kernel (session 12's code path, _QUAD_IN_U off); the default adds it in the U pass.
 # Session 12 call 1 (its norm_modes.json; G split or "ieee", B G in fp32 FMAs for every B) also ran "split3 fresh2",
 # "split2 fresh2", "split3 fresh1 U 3 stages", "split3 fresh1 U K64" ({1: (128, 128, 64, 8, 3, True)}), "one fresh2",
 # "one fresh1 tf32x3 BG". Call 7 (norm_modes_bg.json) ran with B G split for every B dtype as the default: its
-# "split3 fresh1" is today's "split3 fresh1 BG split6", its "BG ieee" rows today's defaults.
+# "split3 fresh1" is today's "split3 fresh1 BG split6", its "BG ieee" rows today's defaults. Session 13 and before
+# also listed "split3 fresh1 BG split6" / "G,BG ieee" / "tf32x3 G,BG" (AMP) and "one fresh1 BG ieee" (bf16).
 OLD_KN = None  # --old-pkg: an earlier fastdora's kernels.norm, timed side by side
 
 
@@ -654,8 +705,13 @@ def main():
     ap.add_argument("--sweep", default="all", choices=["all", "bwd"], help="which kernels the sweep section tunes")
     ap.add_argument("--rep", type=float, default=100, help="do_bench repetition time (ms) of the compose section")
     ap.add_argument("--old-pkg", default=None, help="folder with an earlier fastdora package (norm_modes: timed too)")
+    ap.add_argument("--bwd-cfgs", default=None, help="bwd_sweep: JSON list of configurations instead of BWD_SWEEP")
+    ap.add_argument("--bwd-rounds", type=int, default=1, help="bwd_sweep: rounds at the shapes other than 16384x4096")
     a = ap.parse_args()
-    global COMPOSE_REP, SWEEP_WHICH, OLD_KN
+    global COMPOSE_REP, SWEEP_WHICH, OLD_KN, BWD_SWEEP, BWD_ROUNDS
+    if a.bwd_cfgs:
+        BWD_SWEEP = [tuple(c) for c in json.loads(a.bwd_cfgs)]
+    BWD_ROUNDS = a.bwd_rounds
     if a.old_pkg:
         OLD_KN = _load_old_norm(a.old_pkg)
     COMPOSE_REP = a.rep
@@ -677,10 +733,10 @@ def main():
         try:
             if sec == "copy":
                 bw = sec_copy()
-            elif sec in ("compose", "sweep", "evict"):
+            elif sec in ("compose", "sweep", "evict", "bwd_sweep"):
                 if bw is None:
                     bw = sec_copy()
-                {"compose": sec_compose, "sweep": sec_sweep, "evict": sec_evict}[sec](bw)
+                {"compose": sec_compose, "sweep": sec_sweep, "evict": sec_evict, "bwd_sweep": sec_bwd_sweep}[sec](bw)
             elif sec == "norm":
                 sec_norm()
             elif sec == "norm_sweep":

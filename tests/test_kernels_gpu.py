@@ -317,6 +317,28 @@ def test_factored_norm_realistic_scales(wdt, adt):
     _envelope(nk, ne, dense, torch.float32, "norm", NORM_FLOOR)
 
 
+@pytest.mark.parametrize("quad_in_u", [True, False], ids=["BG_in_U", "BG_in_combine"])
+@pytest.mark.parametrize("wdt,adt", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                     (torch.float16, torch.float16), (torch.float32, torch.float32)], ids=str)
+def test_norm_quadratic_dominant_gpu(monkeypatch, quad_in_u, wdt, adt):
+    # tiny W, large s B A: the norm is (almost) all quadratic term s^2 rowsum((B G) * B). A k/v-projection shape, so
+    # the U pass splits K and deals B G's rank chunks out over the K-range programs; bitwise reproducible
+    monkeypatch.setattr(kn, "_QUAD_IN_U", quad_in_u)
+    d_out, d_in, r = 1024, 4096, 384
+    g = torch.Generator(device=DEV).manual_seed(3)
+    W = (torch.randn(d_out, d_in, generator=g, device=DEV) * 1e-3 / d_in ** 0.5).to(wdt)
+    A = (torch.randn(r, d_in, generator=g, device=DEV) / d_in ** 0.5).to(adt)
+    B = torch.randn(d_out, r, generator=g, device=DEV).to(adt)
+    s = 3.0
+    nk, _ = kn.factored_norm_triton(W, A, B, s)
+    nk2, _ = kn.factored_norm_triton(W, A, B, s)
+    ne, _ = on.factored_norm_eager(W, A, B, s)
+    dense = torch.linalg.norm(W.double() + s * B.double() @ A.double(), dim=1)
+    assert _rel(W.double().norm(dim=1), dense) > 0.99
+    _envelope(nk, ne, dense, torch.float32, f"norm, quadratic term dominant, quad_in_u={quad_in_u}", NORM_FLOOR)
+    assert torch.equal(nk, nk2)
+
+
 def _bwd_args(shape, delta, seed):
     """(compose_bwd arguments, inputs) of a bf16 plain / delta composition with bias and an fp32 magnitude."""
     t = _inputs(shape, torch.bfloat16, torch.bfloat16, torch.float32, delta, True, seed=seed)
@@ -328,7 +350,8 @@ def _bwd_args(shape, delta, seed):
     return args, t
 
 
-@pytest.mark.parametrize("cfg", [(64, 128, 8, 8, False), (64, 128, 8, 8, True), (32, 256, 8, 4, True)], ids=str)
+@pytest.mark.parametrize("cfg", [(64, 128, 8, 8, False), (64, 128, 8, 8, True), (32, 256, 8, 4, True),
+                                 (64, 128, 8, 8, False, True)], ids=str)
 @pytest.mark.parametrize("delta", [False, True], ids=["plain", "delta"])
 def test_bwd_variants(monkeypatch, cfg, delta):
     # the backward kernel's loop variants (plain / software-prefetched) and row splits

@@ -423,7 +423,9 @@ else:
             kn._CONFIG_OVERRIDE.clear()
             kn._ONE_PRODUCT_HALF = saved_one
         grid, cs = launches[-1]  # the U pass of the cached-base call
-        assert grid[1] == 3 and cs[-1] is True and cs[-4:-1] == (nparts, acc[0], acc[1]) and cs[1] == mode, (grid, cs)
+        # (..., NPARTS, GROUP, CHAIN, CROSS, QUAD, B_PARTS)
+        assert grid[1] == 3 and cs[-3:-1] == (True, True) and cs[-6:-3] == (nparts, acc[0], acc[1]), (grid, cs)
+        assert cs[1] == mode and cs[-1] == (1 if adt == torch.bfloat16 else 3), cs
         ne, be = on.factored_norm_eager(W, A, B, s)
         dense = torch.linalg.norm(W.double() + s * B.double() @ A.double(), dim=1)
         torch.testing.assert_close(bk, be, rtol=1e-5, atol=1e-6)
@@ -469,7 +471,7 @@ else:
             consts = [cs for _, cs in launches]
             # (NEED_BASE, MODE, PREC, UPCAST, TRANS, BLOCK_O, BLOCK_R, BLOCK_K, NPARTS, ...): G and U, one product
             assert [(c[1], c[8]) for c in consts] == [(kn._MODE_SPLIT, 1)] * 3, consts
-            assert consts[-1][4:8] == kn._TRANS_SPLIT_CFG[5:6] + kn._TRANS_SPLIT_CFG[:3]
+            assert consts[-1][4:8] == kn._ONE_CFG[5:6] + kn._ONE_CFG[:3]
             torch.testing.assert_close(U.double(), Wh.double() @ Ah.double().T, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(nk, ne, rtol=2e-5, atol=1e-6)
             _envelope(nk, ne, dense, torch.float32, "norm one product")
@@ -507,13 +509,14 @@ else:
         assert _rel(ne, dense) > 0 and _rel(W.double().norm(dim=1), dense) > 0.9  # quadratic-dominated
         _envelope(nk, ne, dense, torch.float64, "norm, quadratic term dominant")
 
-    @pytest.mark.parametrize("bprec", ["split", "ieee"])
+    @pytest.mark.parametrize("where", ["u_pass", "u_pass_ksplit", "combine_split", "combine_ieee"])
     @pytest.mark.parametrize("dname", ["bf16W_fp32AB", "bf16", "fp16", "fp32"])
-    def test_norm_quadratic_term(dname, bprec):
-        """The combine kernel's B G where the quadratic term s^2 rowsum((B G) * B) dominates the norm (tiny W, large
-        s B A), r spanning two rank chunks: G as bf16 hi + mid + lo against B exact in bf16 (3 products) or split (6),
-        or fp32 FMAs (the defaults: split for a bf16 B, FMAs otherwise): within 2x the eager fp32 error vs fp64
-        (dropping one product fails it)."""
+    def test_norm_quadratic_term(dname, where):
+        """B G where the quadratic term s^2 rowsum((B G) * B) dominates the norm (tiny W, large s B A), r spanning
+        three rank chunks of the U pass (two of the combine's): in the U pass (default; also with its K range split
+        in two, so the rank chunks are dealt out over two programs per tile) or in the combine kernel, G as bf16 hi +
+        mid + lo against B exact in bf16 (3 products) or split (6), or (combine) fp32 FMAs: within 2x the eager fp32
+        error vs fp64 (dropping one product fails it)."""
         d_out, d_in, r = 29, 150, 70
         wdt, adt = NORM_DTYPES[dname]
         gen = torch.Generator().manual_seed(31)
@@ -521,15 +524,27 @@ else:
         A = (torch.randn(r, d_in, generator=gen) / d_in ** 0.5).to(adt)
         B = torch.randn(d_out, r, generator=gen).to(adt)
         s = 3.0
-        saved = kn._COMBINE_PREC, kn._COMBINE_PREC_WIDE_B
+        in_u = where.startswith("u_pass")
+        bprec = where.split("_")[-1] if not in_u else kn._COMBINE_PREC
+        saved = kn._COMBINE_PREC, kn._COMBINE_PREC_WIDE_B, kn._QUAD_IN_U
         kn._COMBINE_PREC = kn._COMBINE_PREC_WIDE_B = bprec
+        kn._QUAD_IN_U = in_u
+        if where == "u_pass_ksplit":
+            kn._SPLIT_OVERRIDE["U"] = 2
         try:
-            with _launches("_COMBINE") as launches:
+            with _launches("_COMBINE") as launches, _launches("_GRAM") as glaunches:
                 nk, _ = kn.factored_norm_triton(W, A, B, s)
         finally:
-            kn._COMBINE_PREC, kn._COMBINE_PREC_WIDE_B = saved
+            kn._COMBINE_PREC, kn._COMBINE_PREC_WIDE_B, kn._QUAD_IN_U = saved
+            kn._SPLIT_OVERRIDE.clear()
         consts = [cs for _, cs in launches]
-        assert consts[0][1:3] == (bprec, 1 if adt == torch.bfloat16 else 3), consts
+        bparts = 1 if adt == torch.bfloat16 else 3
+        assert consts[0][-2:] == (not in_u, in_u), consts  # the combine's QUAD, QUAD_PARTS
+        if not in_u:
+            assert consts[0][1:3] == (bprec, bparts), consts
+        ugrid, ucs = glaunches[-1]
+        assert ucs[-3:] == (True, in_u, bparts), ucs  # CROSS, QUAD, B_PARTS of the U pass
+        assert ugrid[1] == (2 if where == "u_pass_ksplit" else ugrid[1]) and ucs[7] < r, (ugrid, ucs)
         ne, _ = on.factored_norm_eager(W, A, B, s)
         dense = torch.linalg.norm(W.double() + s * B.double() @ A.double(), dim=1)
         assert _rel(W.double().norm(dim=1), dense) > 0.99  # the quadratic term is (almost) the whole norm

@@ -260,6 +260,9 @@ if AVAILABLE:
 # L2 eviction policy of the backward's loads of dy and inner (their last use): "" (the default policy) or
 # "evict_first"; benchmarks/kernels_bench.py --sections evict compares them
 _BWD_EVICT = ""
+# software-pipelining stages of the backward's row loop: None (Triton's default) or a count; a benchmark knob
+# (kernels_bench.py --sections bwd_sweep)
+_BWD_STAGES = None
 
 # benchmarks/kernels_bench.py may set these to sweep configurations: {"fwd": (BLOCK_M, BLOCK_N, warps), "bwd": ...}
 _CONFIG_OVERRIDE: dict = {}
@@ -304,20 +307,29 @@ def _bwd_config_cached(M: int, N: int, device: torch.device) -> tuple[int, int, 
 
 
 def _bwd_config_uncached(M: int, N: int, device: torch.device) -> tuple[int, int, int, int, bool]:
+    exact = False
     if "bwd" in _CONFIG_OVERRIDE:
-        block_m, block_n, warps, target, prefetch = _CONFIG_OVERRIDE["bwd"]
+        # (BLOCK_M, BLOCK_N, warps, programs per SM, prefetch[, exact]): exact = rows per program not rounded up to
+        # whole BLOCK_M tiles, so the grid is exactly programs-per-SM x SMs (a benchmark knob)
+        block_m, block_n, warps, target, prefetch = _CONFIG_OVERRIDE["bwd"][:5]
+        exact = len(_CONFIG_OVERRIDE["bwd"]) > 5 and bool(_CONFIG_OVERRIDE["bwd"][5])
     else:
         # from the sweeps in benchmarks/results/kernels_h200_run{2,3}.json ("sweep", 16384x4096 AMP): 64x128
-        # tiles, 8 warps, a row loop sized for ~8 programs per SM, no software prefetch (84-85% of copy bandwidth;
-        # the prefetching loop measured 81%)
+        # tiles, 8 warps, no software prefetch (the prefetching loop measured 81%); a row loop sized for ~4 programs
+        # per SM, rows per program not rounded to whole tiles (results/h200_2026-11-30_s14/, bwd_sweep, medians of
+        # 3 interleaved rounds, % of copy bandwidth, AMP / bf16: 16384x4096 85.3 / 85.4 vs 84.7 / 84.7 with ~8
+        # programs per SM; 8192x4096 77.5 vs 76.6; 8192x12288 87.9 vs 87.8; 16384x12288 90.4 / 90.5 either way)
         block_n = min(_next_pow2(N), 128)
         block_m = max(1, min(_next_pow2(M), 8192 // block_n))
         warps = 8 if block_m * block_n >= 4096 else 4
-        target = 8  # programs per SM
+        target = 4  # programs per SM
         prefetch = False
+        exact = True
     n_col = _cdiv(N, block_n)
     tiles = _cdiv(M, block_m)
     row_blocks = max(1, min(tiles, (target * _num_sms(device)) // n_col))
+    if exact:
+        return block_m, block_n, warps, _cdiv(M, row_blocks), prefetch
     tiles_per_prog = _cdiv(tiles, row_blocks)
     return block_m, block_n, warps, tiles_per_prog * block_m, prefetch
 
@@ -464,6 +476,7 @@ def compose_bwd(
             (bool(delta_form), write_dres, d_lora is not None, bool(need_dm), need_dbias, soft, prefetch,
              block_m, block_n, _BWD_EVICT),
             warps,
+            _BWD_STAGES,
         )
         if need_dm or need_dbias:
             rb = min(64, _next_pow2(N))

@@ -10,9 +10,11 @@ Three launches per module plus one fixed-order sum, no temporaries beyond the fp
    term's partial sums ``rowsum(B * U_tile)`` per rank tile and K range (``[K ranges * rank tiles, d_out]``; U itself is
    never stored), and, unless a cached ``base_sq`` is given, ``||W||^2``'s partial sums. ``W`` is read in its storage
    dtype (any strides: transposed views work), as the transposed tile ``A W^T`` (A's parts are wgmma's register
-   operand). The K range is split when the grid has few tiles (k/v projections).
-3. ``_norm_combine_kernel``: sums the partials in a fixed order, ``norm = sqrt(max(base + 2s*cross +
-   s^2*rowsum((B G)*B), 0))``.
+   operand). The K range is split when the grid has few tiles (k/v projections). The same programs compute the
+   tiles of ``B G`` (its rank chunks dealt out over the K ranges) and write the quadratic term's partial sums
+   ``rowsum(B * (B G)_tile)`` too (``_QUAD_IN_U``).
+3. ``_norm_combine_kernel``: sums the partials in a fixed order, ``norm = sqrt(max(base + 2s*cross + s^2*quad, 0))``
+   (without ``_QUAD_IN_U`` it computes ``quad = rowsum((B G)*B)`` itself, in d_out / 32..64 programs).
 
 Precision (everything accumulates in fp32; every path is run-to-run bitwise deterministic):
 - bf16 ``W`` with fp32 ``A``: ``A`` is split in registers into ``hi + mid + lo`` (each bf16), three bf16 tensor-core
@@ -23,11 +25,11 @@ Precision (everything accumulates in fp32; every path is run-to-run bitwise dete
   long chains it measured less exact (one bf16 product chained over d_in: 5e-5 .. 3e-4 relative norm error, and not
   reproducible run to run, on the H200 with Triton 3.6; restarted: 3.7e-8 .. 4e-8, eager 3.8e-8 .. 4.6e-8).
 - ``G`` (fp32 ``A``): both operands split into bf16 ``hi + mid + lo``, six tensor-core products (every product down
-  to 2^-16 of the leading one), accumulation restarted every K block as above. ``B G`` (combine kernel) likewise:
-  ``G`` as bf16 parts, ``B`` exact (bf16) or split, 3 or 6 products per rank chunk, restarted per chunk. Where the
+  to 2^-16 of the leading one), accumulation restarted every K block as above. ``B G`` (U pass) likewise: ``G`` as
+  bf16 parts, ``B`` exact (bf16) or split, 3 or 6 products per rank chunk, restarted per chunk. Where the
   quadratic term dominates the norm, tf32x3 in G and B G measured 3.4x eager's error. All modes measured within 2x
-  eager's relative error (tests/test_kernels_gpu.py). Only a bf16 ``B`` uses the split by default (3 products, 8-28%
-  faster than fp32 FMAs); for fp32 ``B`` the 6 products were no faster, so fp32 FMAs stay.
+  eager's relative error (tests/test_kernels_gpu.py). In the combine kernel (``_QUAD_IN_U`` off) only a bf16 ``B``
+  uses the split by default (3 products, 8-28% faster than fp32 FMAs there); fp32 ``B`` uses fp32 FMAs.
 The working set is at most ``U``'s size (partial G's) + ``G`` + a few ``[d_out]`` vectors: no fp32 copy of ``W``, no
 ``[d_out, d_in]`` temporary.
 """
@@ -137,14 +139,39 @@ if AVAILABLE:
         return acc
 
     @triton.jit
+    def _quad_dots(b, g, acc, TRANS: tl.constexpr, B_PARTS: tl.constexpr, UPCAST: tl.constexpr):
+        """acc + one rank chunk of B G to ~fp32 level on the tensor cores: G as bf16 hi + mid + lo against B exact in
+        bf16 (B_PARTS 1: 3 products) or split too (6 products down to 2^-16 of the leading one). TRANS: ``g`` is the
+        [BLOCK_R, chunk] tile of G^T and ``b`` the [chunk, BLOCK_O] tile of B^T, giving (B G)^T."""
+        gh, gm, gl = _split3(g, tl.bfloat16)
+        if B_PARTS == 1:
+            bh = b.to(tl.bfloat16)
+            if TRANS:
+                acc = _dot(gl, bh, acc, UPCAST)
+                acc = _dot(gm, bh, acc, UPCAST)
+                acc = _dot(gh, bh, acc, UPCAST)
+            else:
+                acc = _dot(bh, gl, acc, UPCAST)
+                acc = _dot(bh, gm, acc, UPCAST)
+                acc = _dot(bh, gh, acc, UPCAST)
+        else:
+            bh, bm, bl = _split3(b, tl.bfloat16)
+            if TRANS:
+                acc = _dot6(gh, gm, gl, bh, bm, bl, acc, UPCAST)
+            else:
+                acc = _dot6(bh, bm, bl, gh, gm, gl, acc, UPCAST)
+        return acc
+
+    @triton.jit
     def _norm_gram_kernel(
-        x_ptr, a_ptr, out_ptr, base_ptr, b_ptr,
+        x_ptr, a_ptr, out_ptr, base_ptr, b_ptr, g_ptr,
         ROWS, R, K, K_SPLIT,
         stride_xr, stride_xk, stride_ar, stride_ak, stride_out, stride_split, stride_bo, stride_br,
         zero,
         NEED_BASE: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
         TRANS: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
         NPARTS: tl.constexpr, GROUP: tl.constexpr, CHAIN: tl.constexpr, CROSS: tl.constexpr,
+        QUAD: tl.constexpr, B_PARTS: tl.constexpr,
     ):
         # T = X[ROWS, K] @ A[R, K]^T (fp32) over the K range of split program_id(1) (K_SPLIT: a multiple of BLOCK_K).
         # CROSS: writes rowsum(B * T) of this rank tile, out[split * n_r + rank tile, ROWS] (the cross term's partial
@@ -210,6 +237,29 @@ if AVAILABLE:
                 acc = part
             else:
                 acc += part
+        if QUAD:
+            # the quadratic term's partial sums rowsum(B * (B G)) of this tile, written after the cross term's (rows
+            # [n_splits * n_r + split * n_r + rank tile]): the combine sums each set in a fixed order and forms
+            # base + 2s cross + s^2 quad exactly as with B G in the combine (one rounding of 2s and of s^2; folding
+            # (s/2) B G into the cross term instead measured 2x the error: two more scalar roundings). The rank
+            # chunks of B G are dealt out over the K-range programs (chunk i to program i mod ranges, the others write
+            # zeros); each chunk's products start from zero (restarted, as in the main loop) and are added in fp32.
+            nsplit = tl.num_programs(1)
+            qacc = fresh
+            for q0 in range(split * BLOCK_K, R, nsplit * BLOCK_K):
+                offs_q = q0 + tl.arange(0, BLOCK_K).to(tl.int64)
+                qmask = offs_q < R
+                if TRANS:
+                    gq = tl.load(g_ptr + offs_q[None, :] * R + offs_r[:, None],  # (G[q, r])^T: [BLOCK_R, BLOCK_K]
+                                 mask=rmask[:, None] & qmask[None, :], other=0.0)
+                    bq = tl.load(b_ptr + offs_o[None, :] * stride_bo + offs_q[:, None] * stride_br,  # [BLOCK_K, BLOCK_O]
+                                 mask=qmask[:, None] & omask[None, :], other=0.0)
+                else:
+                    gq = tl.load(g_ptr + offs_q[:, None] * R + offs_r[None, :],  # G[q, r]: [BLOCK_K, BLOCK_R]
+                                 mask=qmask[:, None] & rmask[None, :], other=0.0)
+                    bq = tl.load(b_ptr + offs_o[:, None] * stride_bo + offs_q[None, :] * stride_br,  # [BLOCK_O, BLOCK_K]
+                                 mask=omask[:, None] & qmask[None, :], other=0.0)
+                qacc += _quad_dots(bq, gq, fresh, TRANS, B_PARTS, UPCAST)
         if CROSS:
             if TRANS:
                 b = tl.load(b_ptr + offs_o[None, :] * stride_bo + offs_r[:, None] * stride_br,
@@ -220,6 +270,13 @@ if AVAILABLE:
                             mask=omask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
                 c = tl.sum(acc * b, axis=1)
             tl.store(out_ptr + (split * n_r + pid_r).to(tl.int64) * ROWS + offs_o, c, mask=omask)
+            if QUAD:
+                if TRANS:
+                    cq = tl.sum(qacc * b, axis=0)
+                else:
+                    cq = tl.sum(qacc * b, axis=1)
+                qrow = (tl.num_programs(1) + split) * n_r + pid_r
+                tl.store(out_ptr + qrow.to(tl.int64) * ROWS + offs_o, cq, mask=omask)
         else:
             out_base = out_ptr + split.to(tl.int64) * stride_split
             if TRANS:
@@ -239,10 +296,12 @@ if AVAILABLE:
         stride_bo, stride_br,
         two_s, s_sq, zero,
         WRITE_BASE: tl.constexpr, PREC: tl.constexpr, B_PARTS: tl.constexpr, UPCAST: tl.constexpr,
-        BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr,
+        BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr, QUAD: tl.constexpr, QUAD_PARTS: tl.constexpr,
     ):
         # norm = sqrt(max(base + 2s * cross + s^2 * rowsum((B G) * B), 0)): cross and base are the sums, in a fixed
-        # order, of the N_CROSS / N_BASE partial rows [*, D] the U pass wrote (base: or the cached row norms, 1 row)
+        # order, of the N_CROSS / N_BASE partial rows [*, D] the U pass wrote (base: or the cached row norms, 1 row).
+        # QUAD: B G computed here; QUAD_PARTS: the U pass wrote the quadratic term's N_CROSS partial rows after the
+        # cross term's
         offs_o = tl.program_id(0).to(tl.int64) * BLOCK_O + tl.arange(0, BLOCK_O).to(tl.int64)
         omask = offs_o < D
         cross = tl.zeros([BLOCK_O], dtype=tl.float32)
@@ -254,39 +313,43 @@ if AVAILABLE:
         if WRITE_BASE:
             tl.store(base_out_ptr + offs_o, base, mask=omask)
         quad = tl.zeros([BLOCK_O], dtype=tl.float32)
-        for j0 in range(0, R, BLOCK_R):
-            offs_j = j0 + tl.arange(0, BLOCK_R).to(tl.int64)
-            jmask = offs_j < R
-            m2 = omask[:, None] & jmask[None, :]
-            bj = tl.load(b_ptr + offs_o[:, None] * stride_bo + offs_j[None, :] * stride_br, mask=m2, other=0.0)
-            bj = bj.to(tl.float32)
-            bg = tl.zeros([BLOCK_O, BLOCK_R], dtype=tl.float32)
-            fresh = bg + zero
-            for k0 in range(0, R, BLOCK_R):
-                offs_k = k0 + tl.arange(0, BLOCK_R).to(tl.int64)
-                kmask = offs_k < R
-                bk = tl.load(
-                    b_ptr + offs_o[:, None] * stride_bo + offs_k[None, :] * stride_br,
-                    mask=omask[:, None] & kmask[None, :], other=0.0,
-                )
-                gk = tl.load(g_ptr + offs_k[:, None] * R + offs_j[None, :], mask=kmask[:, None] & jmask[None, :],
-                             other=0.0)
-                if PREC == "split":
-                    # tensor-core products of bf16 parts, restarted per rank chunk: G as hi + mid + lo; B exact in
-                    # bf16 (B_PARTS 1: 3 products) or split too (6 products down to 2^-16 of the leading one)
-                    gh, gm, gl = _split3(gk, tl.bfloat16)
-                    if B_PARTS == 1:
-                        bh = bk.to(tl.bfloat16)
-                        part = _dot(bh, gl, fresh, UPCAST)
-                        part = _dot(bh, gm, part, UPCAST)
-                        part = _dot(bh, gh, part, UPCAST)
+        if QUAD_PARTS:
+            for p in range(0, N_CROSS):
+                quad += tl.load(cpart_ptr + (N_CROSS + p) * D + offs_o, mask=omask, other=0.0)
+        if QUAD:
+            for j0 in range(0, R, BLOCK_R):
+                offs_j = j0 + tl.arange(0, BLOCK_R).to(tl.int64)
+                jmask = offs_j < R
+                m2 = omask[:, None] & jmask[None, :]
+                bj = tl.load(b_ptr + offs_o[:, None] * stride_bo + offs_j[None, :] * stride_br, mask=m2, other=0.0)
+                bj = bj.to(tl.float32)
+                bg = tl.zeros([BLOCK_O, BLOCK_R], dtype=tl.float32)
+                fresh = bg + zero
+                for k0 in range(0, R, BLOCK_R):
+                    offs_k = k0 + tl.arange(0, BLOCK_R).to(tl.int64)
+                    kmask = offs_k < R
+                    bk = tl.load(
+                        b_ptr + offs_o[:, None] * stride_bo + offs_k[None, :] * stride_br,
+                        mask=omask[:, None] & kmask[None, :], other=0.0,
+                    )
+                    gk = tl.load(g_ptr + offs_k[:, None] * R + offs_j[None, :], mask=kmask[:, None] & jmask[None, :],
+                                 other=0.0)
+                    if PREC == "split":
+                        # tensor-core products of bf16 parts, restarted per rank chunk: G as hi + mid + lo; B exact in
+                        # bf16 (B_PARTS 1: 3 products) or split too (6 products down to 2^-16 of the leading one)
+                        gh, gm, gl = _split3(gk, tl.bfloat16)
+                        if B_PARTS == 1:
+                            bh = bk.to(tl.bfloat16)
+                            part = _dot(bh, gl, fresh, UPCAST)
+                            part = _dot(bh, gm, part, UPCAST)
+                            part = _dot(bh, gh, part, UPCAST)
+                        else:
+                            bh, bm, bl = _split3(bk, tl.bfloat16)
+                            part = _dot6(bh, bm, bl, gh, gm, gl, fresh, UPCAST)
+                        bg += part
                     else:
-                        bh, bm, bl = _split3(bk, tl.bfloat16)
-                        part = _dot6(bh, bm, bl, gh, gm, gl, fresh, UPCAST)
-                    bg += part
-                else:
-                    bg = tl.dot(bk.to(tl.float32), gk, bg, input_precision=PREC)
-            quad += tl.sum(bg * bj, axis=1)
+                        bg = tl.dot(bk.to(tl.float32), gk, bg, input_precision=PREC)
+                quad += tl.sum(bg * bj, axis=1)
         sq = base + two_s * cross + s_sq * quad
         tl.store(norm_ptr + offs_o, tl.sqrt_rn(tl.maximum(sq, 0.0)), mask=omask)
 
@@ -329,8 +392,9 @@ _SPLIT_OVERRIDE: dict = {}
 # U = W A^T as the transposed tile A @ W^T (split A parts as wgmma's register operand), per dot mode. Measured on
 # the H200 (benchmarks/results/h200x2_2026-11-30_s10/norm_variants.json, Qwen3-8B shapes, r=384): split mode
 # 128x128x32 (8 warps, 4 stages) transposed 0.13 / 0.13 / 0.38 / 0.37 ms vs 0.23 / 0.23 / 0.46 / 0.68 ms in row tiles
-# for 4096x4096 / 1024x4096 / 12288x4096 / 4096x12288, same error (1.4e-7 .. 2.2e-7). Transposed tiles with
-# BLOCK_K = 64 gave ~1e-3 relative errors on Triton 3.6 and are not used; fp32 mode gains < 7%: row tiles kept.
+# for 4096x4096 / 1024x4096 / 12288x4096 / 4096x12288, same error (1.4e-7 .. 2.2e-7). (Transposed tiles with
+# BLOCK_K = 64 then gave ~1e-3 relative errors on Triton 3.6, with the accumulation chained; restarted every K block
+# they measure fine, see _ONE_CFG.) fp32 mode gains < 7%: row tiles kept.
 _TRANS = {_MODE_SPLIT: True, _MODE_FP32: False}
 # Products per K block in the split mode (bf16 W, fp32 A): 3 = hi + mid + lo (fp32-level). Benchmarks may set 2.
 _SPLIT_PARTS = 3
@@ -342,6 +406,15 @@ _SPLIT_PARTS = 3
 _ONE_PRODUCT_HALF = True
 _HALF = (torch.bfloat16, torch.float16)
 _TRANS_SPLIT_CFG = (128, 128, 32, 8, 4, True)
+# W and A in the same half dtype (one product per K block): 64-deep K blocks, 3 stages. Measured on the H200
+# (results/h200_2026-11-30_s14/, calls 2 and 3; also session 12's run), Qwen3-8B shapes at r=384, 4096x4096 /
+# 1024x4096 / 12288x4096 / 4096x12288, kernels-only (CUDA graph) ms of the whole bf16 norm: 0.096 / 0.065 / 0.187 /
+# 0.171 vs 0.104 / 0.066 / 0.209 / 0.191 with _TRANS_SPLIT_CFG, same error. Not for the split mode (fp32 A, AMP):
+# 2-5% faster there, but its 64-deep rank chunks of B G (six products each) measured 8.1e-8 relative norm error where
+# the quadratic term dominates, over the 2x-eager envelope (eager 3.2e-8; call 3, test_norm_quadratic_dominant_gpu),
+# where the 32-deep chunks pass (call 2). (Session 10 saw ~1e-3 errors with 64-deep transposed tiles on Triton 3.6,
+# with the accumulation chained; restarted every K block they measure fine.)
+_ONE_CFG = (128, 128, 64, 8, 3, True)
 # G = A A^T tiles, from benchmarks/results/h200x2_2026-11-30_s11/norm_modes.json (Qwen3-8B A's at r=384, tf32x3):
 # 64x64x32 transposed tiles split ~16 ways over d_in: 0.035 ms (d_in 4096) / 0.072 ms (12288) vs 0.066 / 0.17 ms for
 # the 32x32x64 row tiles used before, same or lower error
@@ -361,6 +434,11 @@ _G_PREC = "split"
 # 0.479 / 0.474 vs 0.227 / 0.186 / 0.510 / 0.464 ms) and 4.4e-8 .. 4.6e-8 vs 3.7e-8 .. 4.0e-8, so fp32 FMAs stay
 _COMBINE_PREC = "split"
 _COMBINE_PREC_WIDE_B = "ieee"
+# Where B G is computed: in the U pass (True: each U program also computes its tile of B G, G as bf16 hi + mid + lo
+# and B exact (bf16) or split, 3 or 6 tensor-core products per rank chunk, the rank chunks dealt out over the K-range
+# programs, and writes the quadratic term's partial sums next to the cross term's), or in the combine kernel (False,
+# with _COMBINE_PREC / _COMBINE_PREC_WIDE_B), whose grid has only d_out / 32..64 programs (32 for a k/v projection).
+_QUAD_IN_U = True
 # Accumulation: (K blocks per loop iteration, chained). Chained: the tensor cores accumulate over the whole K range;
 # not chained: each iteration's products start from zero and are added to the running sum with fp32 adds (see
 # _norm_gram_kernel). Default for every mode: restarted every K block. Measured (norm_modes_call2.json): chained one
@@ -416,7 +494,9 @@ def _gram_config(rows: int, R: int, device: torch.device, mode: int, gram_of_a: 
     if gram_of_a:  # G = A A^T: r x r outputs only (and split over K, see _g_split)
         b = min(_G_CFG[0], max(16, _next_pow2(R)))
         return (b, b) + _G_CFG[2:]
-    if mode == _MODE_SPLIT and (nparts == 1 or _TRANS[mode]):
+    if mode == _MODE_SPLIT and nparts == 1:
+        return _ONE_CFG  # for every shape (rows and rank tiles masked)
+    if mode == _MODE_SPLIT and _TRANS[mode]:
         return _TRANS_SPLIT_CFG  # the one measured configuration, for every shape (rows and rank tiles masked)
     block_r = min(128, max(16, _next_pow2(R)))
     n_r = _launch.cdiv(R, block_r)
@@ -463,14 +543,16 @@ def _gram_plan(x: torch.Tensor, a: torch.Tensor, gram_of_a: bool) -> tuple:
 
 
 def _gram(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, base: Optional[torch.Tensor], upcast: bool,
-          gram_of_a: bool = False, split: int = 1, b: Optional[torch.Tensor] = None, plan: Optional[tuple] = None
-          ) -> int:
+          gram_of_a: bool = False, split: int = 1, b: Optional[torch.Tensor] = None, plan: Optional[tuple] = None,
+          g: Optional[torch.Tensor] = None) -> int:
     """out = x @ a^T (fp32), and base = rowsum(x^2) when given. ``split > 1``: ``out`` is ``[split, rows, R]``
     contiguous and receives the partial products of up to ``split`` equal K ranges (``base``: ``[split, rows]``).
     With ``b`` (the cross term): ``out`` is ``[split * n_r, rows]`` and receives ``rowsum(b * (x @ a^T))`` per K range
     and rank tile (n_r = rank tiles of the configuration); the product itself is never stored. Returns the number of
     ranges used (K ranges are whole BLOCK_K multiples, so it can be smaller than ``split``). ``plan``: the caller's
-    ``_gram_plan(x, a, gram_of_a)``, when it already derived it."""
+    ``_gram_plan(x, a, gram_of_a)``, when it already derived it. With ``b`` and ``g`` (``G = A A^T``, fp32
+    ``[R, R]``): ``out`` is ``[2 * split * n_r, rows]``, the quadratic term's partial sums ``rowsum(b * (b @ g))``
+    (rank chunks dealt out over the K ranges) in rows ``[used ranges * n_r, 2 * used ranges * n_r)``."""
     rows, K = x.shape
     R = a.shape[0]
     mode, nparts, cfg = plan if plan is not None else _gram_plan(x, a, gram_of_a)
@@ -480,17 +562,17 @@ def _gram(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, base: Optional[to
     split = _launch.cdiv(K, k_split)
     grid = (_launch.cdiv(rows, block_o) * _launch.cdiv(R, block_r), split)
     cross = b is not None
+    quad = cross and g is not None
     stride_out = rows if cross else (out if out.dim() == 2 else out[0]).stride(0)
     bb = b if cross else out
     _GRAM(
         grid,
-        (x, a, out, base if base is not None else out, bb),
+        (x, a, out, base if base is not None else out, bb, g if quad else out),
         (rows, R, K, k_split, x.stride(0), x.stride(1), a.stride(0), a.stride(1), stride_out, rows * R,
          bb.stride(0), bb.stride(-1)),
         (0.0,),
         (base is not None, mode, _fp32_prec(gram_of_a), upcast, bool(trans), block_o, block_r, block_k,
-         nparts, group, chain,
-         cross),
+         nparts, group, chain, cross, quad, 1 if bb.dtype == torch.bfloat16 else 3),
         warps,
         stages,
     )
@@ -534,26 +616,29 @@ def factored_norm_triton(
         cfg = plan[2]
         su = _u_split(d_out, r, d_in, cfg, dev)
         n_r = _launch.cdiv(r, cfg[1])
-        cpart = torch.empty((su * n_r, d_out), dtype=f32, device=dev)
+        quad_in_u = _QUAD_IN_U
+        cpart = torch.empty(((2 if quad_in_u else 1) * su * n_r, d_out), dtype=f32, device=dev)
         if need_base:
             bpart = torch.empty((su, d_out), dtype=f32, device=dev)
             base = torch.empty(d_out, dtype=f32, device=dev)
         else:
             base = base_sq.detach().reshape(-1).to(device=dev, dtype=f32).contiguous()
             bpart = base
-        su = _gram(W, A, cpart, bpart if need_base else None, upcast, split=su, b=B, plan=plan)
+        s = float(scale)
+        su = _gram(W, A, cpart, bpart if need_base else None, upcast, split=su, b=B, plan=plan,
+                   g=G if quad_in_u else None)
         block_r = min(64, max(16, _next_pow2(r)))
         block_o = 64 if d_out >= 64 * _num_sms(dev) else 32
         prec = _COMBINE_PREC if B.dtype == torch.bfloat16 else _COMBINE_PREC_WIDE_B
         if upcast and prec != "split":  # the interpreter runs fp32 dots as "ieee"
             prec = "ieee"
-        s = float(scale)
         _COMBINE(
             (_launch.cdiv(d_out, block_o),),
             (cpart, bpart, G, B, base, norm),
             (d_out, r, su * n_r, su if need_base else 1, B.stride(0), B.stride(1)),
             (2.0 * s, s * s, 0.0),
-            (need_base, prec, 1 if B.dtype == torch.bfloat16 else 3, upcast, block_o, block_r),
+            (need_base, prec, 1 if B.dtype == torch.bfloat16 else 3, upcast, block_o, block_r, not quad_in_u,
+             quad_in_u),
             4,
         )
     return norm, base
