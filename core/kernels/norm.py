@@ -337,16 +337,7 @@ if AVAILABLE:
                     if PREC == "split":
                         # tensor-core products of bf16 parts, restarted per rank chunk: G as hi + mid + lo; B exact in
                         # bf16 (B_PARTS 1: 3 products) or split too (6 products down to 2^-16 of the leading one)
-                        gh, gm, gl = _split3(gk, tl.bfloat16)
-                        if B_PARTS == 1:
-                            bh = bk.to(tl.bfloat16)
-                            part = _dot(bh, gl, fresh, UPCAST)
-                            part = _dot(bh, gm, part, UPCAST)
-                            part = _dot(bh, gh, part, UPCAST)
-                        else:
-                            bh, bm, bl = _split3(bk, tl.bfloat16)
-                            part = _dot6(bh, bm, bl, gh, gm, gl, fresh, UPCAST)
-                        bg += part
+                        bg += _quad_dots(bk, gk, fresh, False, B_PARTS, UPCAST)
                     else:
                         bg = tl.dot(bk.to(tl.float32), gk, bg, input_precision=PREC)
                 quad += tl.sum(bg * bj, axis=1)
