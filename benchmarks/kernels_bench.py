@@ -433,9 +433,25 @@ def sec_norm_variants():
 
 
 # (name, module attributes, accumulation (K blocks per iteration, chained), U split over K or None = automatic)
-_AMP_MODES = [("split3 fresh1", {}, (1, False), None),
-              ("split3 fresh1 BG combine", {"_QUAD_IN_U": False}, (1, False), None),
-              ("split3 U K64 s3", {"_CONFIG_OVERRIDE": {1: (128, 128, 64, 8, 3, True)}}, (1, False), None)]
+# Session 15: A split into bf16 parts once per norm (_MODE_PRESPLIT, key 3, the default where the parts fit the
+# working-set limit, in up to _PRESPLIT_MAX_CHUNKS K chunks) vs the split in registers; an accumulation given as
+# {"U": ..., "G": ...} applies to the U pass only. Call 1 (results/h200_2026-12-01_s15/call1) also ran presplit
+# 128x128x32 s4 (N and T), 128x128x64 s3 w4 (2x slower), 128x128x64 s4 / 128x256x64 / 128x128x32 fresh2 (out of
+# shared memory) and 128x128x64 chained (0.7e-3 .. 2.4e-3 error, not deterministic), all without chunk limits.
+_PS = 3
+_AMP_MODES = [("split3 in registers K32", {"_PRESPLIT": False}, (1, False), None),
+              ("split3 in registers K64", {"_PRESPLIT": False, "_CONFIG_OVERRIDE": {1: (128, 128, 64, 8, 3, True)}},
+               (1, False), None),
+              ("presplit (default)", {}, (1, False), None),
+              ("presplit whole only", {"_PRESPLIT_MAX_CHUNKS": 1}, (1, False), None),
+              ("presplit max 2 chunks", {"_PRESPLIT_MAX_CHUNKS": 2}, (1, False), None),
+              ("presplit max 4 chunks", {"_PRESPLIT_MAX_CHUNKS": 4}, (1, False), None),
+              ("presplit no limit", {"_WORKSET_PLAN": 1e9}, (1, False), None),
+              ("presplit no limit T", {"_WORKSET_PLAN": 1e9, "_CONFIG_OVERRIDE": {_PS: (128, 128, 64, 8, 3, True)}},
+               (1, False), None),
+              ("presplit QB16", {"_QUAD_BLOCK": 16}, (1, False), None),
+              ("split3 in registers BG combine", {"_PRESPLIT": False, "_QUAD_IN_U": False}, (1, False), None)]
+
 # Session 14 call 2 also ran (U configurations, BLOCK_O x BLOCK_R x BLOCK_K, stages; results/h200_2026-11-30_s14/):
 # 128x128x32 s3, 128x128x64 s3 (2-5% faster, but over the envelope where the quadratic term dominates: call 3),
 # 256x128x32 s3 (2x slower: spills), the same chained, split3 chained (1e-3 error, not deterministic), 128x64x32
@@ -489,6 +505,14 @@ def sec_norm_modes():
             row = {"shape": [d_out, d_in], "r": r, "W": wd, "AB": ad, "variants": []}
             ne, base = on.factored_norm_eager(W, A, B, s)
             row["eager_relerr"] = rel(ne)
+            quad = None
+            if d_out == 1024:  # also where the quadratic term dominates (tests/test_kernels_gpu.py's case)
+                gq = torch.Generator(device=DEV).manual_seed(3)
+                Wq = (torch.randn(d_out, d_in, device=DEV, generator=gq) * 1e-3 / d_in ** 0.5).to(_DT[wd])
+                Aq = (torch.randn(r, d_in, device=DEV, generator=gq) / d_in ** 0.5).to(_DT[ad])
+                Bq = torch.randn(d_out, r, device=DEV, generator=gq).to(_DT[ad])
+                quad = (Wq, Aq, Bq, _rel_to_dense(Wq, Aq, Bq, 3.0))
+                row["eager_relerr_quad"] = quad[3](on.factored_norm_eager(Wq, Aq, Bq, 3.0)[0])
             if OLD_KN is not None:
                 row["old_ms"] = bench(lambda: OLD_KN.factored_norm_triton(W, A, B, s, base_sq=base), warmup=5, rep=30)
                 row["old_gpu_ms"] = graph_ms(lambda: OLD_KN.factored_norm_triton(W, A, B, s, base_sq=base))
@@ -499,8 +523,9 @@ def sec_norm_modes():
                     for k, v in attrs.items():
                         setattr(kn, k, v)
                     m, nparts = kn._mode_of(W, A, False)
-                    kn._ACC_OVERRIDE[kn._config_key(m, nparts, False)] = acc
-                    kn._ACC_OVERRIDE[kn._config_key(*kn._mode_of(A, A, True), True)] = acc
+                    acc_u, acc_g = (acc["U"], acc["G"]) if isinstance(acc, dict) else (acc, acc)
+                    kn._ACC_OVERRIDE[kn._config_key(m, nparts, False)] = acc_u
+                    kn._ACC_OVERRIDE[kn._config_key(*kn._mode_of(A, A, True), True)] = acc_g
                     if usplit is not None:
                         kn._SPLIT_OVERRIDE["U"] = usplit
                     ms = bench(lambda: kn.factored_norm_triton(W, A, B, s, base_sq=base), warmup=5, rep=30)
@@ -509,8 +534,11 @@ def sec_norm_modes():
                     nt, bt = kn.factored_norm_triton(W, A, B, s)
                     err = rel(nt)
                     nt2, _ = kn.factored_norm_triton(W, A, B, s)
+                    _, mem = _peak_delta(lambda: kn.factored_norm_triton(W, A, B, s))
                     v = {"name": name, "ms": ms, "gpu_ms": gpu_ms, "ms_with_base": ms_base, "relerr": err,
+                         "workset_bytes": mem, "UG_bytes": 4 * (d_out * r + r * r),
                          "deterministic": bool(torch.equal(nt, nt2)),
+                         "relerr_quad": None if quad is None else quad[3](kn.factored_norm_triton(*quad[:3], 3.0)[0]),
                          "u_split": kn._u_split(d_out, r, d_in, kn._gram_config(d_out, r, W.device, m, False, nparts),
                                                 W.device) if usplit is None else usplit}
                 except Exception as e:  # out of resources etc.
@@ -523,7 +551,7 @@ def sec_norm_modes():
                 row["variants"].append(v)
             res.append(row)
             print(json.dumps(row, default=str)[:3000], flush=True)
-            del W, A, B, rel, ne, base
+            del W, A, B, rel, ne, base, quad
             _free()
     RESULTS["norm_modes"] = res
     return res

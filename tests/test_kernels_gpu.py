@@ -339,6 +339,59 @@ def test_norm_quadratic_dominant_gpu(monkeypatch, quad_in_u, wdt, adt):
     assert torch.equal(nk, nk2)
 
 
+@pytest.mark.parametrize("presplit", [True, False], ids=["presplit", "split_in_registers"])
+@pytest.mark.parametrize("case", ["realistic", "quadratic_dominant", "odd_transposed"])
+def test_norm_amp_split_modes_gpu(monkeypatch, presplit, case):
+    # bf16 W with fp32 A and B (AMP): A's bf16 parts split once into a [3, r, d_in] copy (_MODE_PRESPLIT) or in
+    # registers by every U program (_MODE_SPLIT): both within the envelope, bitwise reproducible, and close to each
+    # other (the same products, summed in another order)
+    d_out, d_in, r, wscale, bscale, s = {
+        "realistic": (4096, 8192, 384, 1.0, 0.05, 16 / 384 ** 0.5),
+        "quadratic_dominant": (1024, 4096, 384, 1e-3, 1.0, 3.0),
+        "odd_transposed": (1000, 777, 20, 1.0, 0.3, 1.3),
+    }[case]
+    g = torch.Generator(device=DEV).manual_seed(d_out + r)
+    W = (torch.randn(d_out, d_in, generator=g, device=DEV) * wscale / d_in ** 0.5).to(torch.bfloat16)
+    if case == "odd_transposed":
+        W = W.t().contiguous().t()
+    A = torch.randn(r, d_in, generator=g, device=DEV) / d_in ** 0.5
+    B = torch.randn(d_out, r, generator=g, device=DEV) * bscale
+    monkeypatch.setattr(kn, "_PRESPLIT", presplit)
+    assert kn._mode_of(W, A, False)[0] == (kn._MODE_PRESPLIT if presplit else kn._MODE_SPLIT)
+    nk, bk = kn.factored_norm_triton(W, A, B, s)
+    nk2, bk2 = kn.factored_norm_triton(W, A, B, s)
+    ne, be = on.factored_norm_eager(W, A, B, s)
+    dense = torch.linalg.norm(W.double() + s * B.double() @ A.double(), dim=1)
+    _envelope(nk, ne, dense, torch.float32, f"norm AMP {case} presplit={presplit}", NORM_FLOOR)
+    _envelope(bk, be, W.double().square().sum(1), torch.float32, "base_sq", NORM_FLOOR)
+    assert torch.equal(nk, nk2) and torch.equal(bk, bk2)
+    monkeypatch.setattr(kn, "_PRESPLIT", not presplit)
+    other, _ = kn.factored_norm_triton(W, A, B, s)
+    assert _rel(nk.double(), other.double()) < 1e-6
+
+
+@pytest.mark.parametrize("case", [(4096, 4096, 384), (1024, 4096, 384), (12288, 4096, 384), (4096, 12288, 384),
+                                  (8192, 8192, 512)], ids=str)
+@pytest.mark.parametrize("adt", [torch.float32, torch.bfloat16], ids=str)
+def test_norm_working_set_gpu(case, adt):
+    # everything the norm allocates (pre-split A parts in K chunks, partial sums, G, results) peaks within
+    # kn._WORKSET_LIMIT (1.25) x the bytes of fp32 U = W A^T and G = A A^T
+    d_out, d_in, r = case
+    W = (torch.randn(d_out, d_in, device=DEV) / d_in ** 0.5).to(torch.bfloat16)
+    A = (torch.randn(r, d_in, device=DEV) / d_in ** 0.5).to(adt)
+    B = (torch.randn(d_out, r, device=DEV) * 0.05).to(adt)
+    kn.factored_norm_triton(W, A, B, 1.0)  # compile outside the measured call
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = kn.factored_norm_triton(W, A, B, 1.0)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    del out
+    ug = 4 * (d_out * r + r * r)
+    assert peak <= kn._WORKSET_LIMIT * ug, (peak, ug)
+
+
 def _bwd_args(shape, delta, seed):
     """(compose_bwd arguments, inputs) of a bf16 plain / delta composition with bias and an fp32 magnitude."""
     t = _inputs(shape, torch.bfloat16, torch.bfloat16, torch.float32, delta, True, seed=seed)

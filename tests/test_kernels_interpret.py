@@ -389,13 +389,14 @@ else:
         assert not torch.equal(G[0], G[1])
 
     @pytest.mark.parametrize("acc", [(1, True), (1, False), (3, False), (2, True)], ids=str)
-    @pytest.mark.parametrize("dname", ["fp32", "bf16W_fp32AB", "bf16", "bf16_one"])
+    @pytest.mark.parametrize("dname", ["fp32", "bf16W_fp32AB", "bf16", "bf16_one", "bf16W_fp32AB_presplit",
+                                       "bf16W_fp32AB_presplitT"])
     def test_factored_norm_k_split_and_accumulation(dname, acc):
         """The U pass split over K (cross-term and ||W||^2 partial sums per K range and rank tile, summed in a fixed
         order by the combine kernel), with chained or per-iteration accumulation over 1..3 K blocks per iteration:
         same norm and base as the eager path, within the fp64 envelope, and bitwise the same on a second run."""
         d_out, d_in, r = 45, 333, 20
-        wdt, adt = NORM_DTYPES[dname.replace("_one", "")]
+        wdt, adt = NORM_DTYPES[dname.replace("_one", "").replace("_presplitT", "").replace("_presplit", "")]
         gen = torch.Generator().manual_seed(5)
         W = (torch.randn(d_out, d_in, generator=gen) / d_in ** 0.5).to(wdt)
         A = (torch.randn(r, d_in, generator=gen) / d_in ** 0.5).to(adt)
@@ -406,12 +407,17 @@ else:
             mode = kn._MODE_SPLIT
         if dname == "bf16_one":
             mode, nparts = kn._MODE_SPLIT, 1
+        if "presplit" in dname:  # A's parts split once, [3, r, d_in] bf16
+            mode = kn._MODE_PRESPLIT
         key = kn._config_key(mode, nparts, False)
         kn._SPLIT_OVERRIDE["U"] = 3
         kn._ACC_OVERRIDE[key] = acc
-        kn._CONFIG_OVERRIDE[key] = (16, 16, 32, 4, 2, mode == kn._MODE_SPLIT)  # 2 rank tiles, 3 row tiles
-        saved_one = kn._ONE_PRODUCT_HALF
+        trans = mode == kn._MODE_SPLIT or dname.endswith("presplitT")
+        kn._CONFIG_OVERRIDE[key] = (16, 16, 32, 4, 2, trans)  # 2 rank tiles, 3 row tiles
+        saved_one, saved_pre, saved_lim = kn._ONE_PRODUCT_HALF, kn._PRESPLIT, kn._WORKSET_PLAN
         kn._ONE_PRODUCT_HALF = dname == "bf16_one"
+        kn._PRESPLIT = "presplit" in dname
+        kn._WORKSET_PLAN = 1e9  # these tiny shapes: the parts always fit (the limit: test_presplit_chunks)
         try:
             with _launches("_GRAM") as launches:
                 nk, bk = kn.factored_norm_triton(W, A, B, s)
@@ -421,11 +427,11 @@ else:
             kn._SPLIT_OVERRIDE.clear()
             kn._ACC_OVERRIDE.clear()
             kn._CONFIG_OVERRIDE.clear()
-            kn._ONE_PRODUCT_HALF = saved_one
+            kn._ONE_PRODUCT_HALF, kn._PRESPLIT, kn._WORKSET_PLAN = saved_one, saved_pre, saved_lim
         grid, cs = launches[-1]  # the U pass of the cached-base call
-        # (..., NPARTS, GROUP, CHAIN, CROSS, QUAD, B_PARTS)
-        assert grid[1] == 3 and cs[-3:-1] == (True, True) and cs[-6:-3] == (nparts, acc[0], acc[1]), (grid, cs)
-        assert cs[1] == mode and cs[-1] == (1 if adt == torch.bfloat16 else 3), cs
+        # (..., NPARTS, GROUP, CHAIN, CROSS, QUAD, B_PARTS, QBLOCK)
+        assert grid[1] == 3 and cs[-4:-2] == (True, True) and cs[-7:-4] == (nparts, acc[0], acc[1]), (grid, cs)
+        assert cs[1] == mode and cs[-2] == (1 if adt == torch.bfloat16 else 3) and cs[-1] == kn._QUAD_BLOCK, cs
         ne, be = on.factored_norm_eager(W, A, B, s)
         dense = torch.linalg.norm(W.double() + s * B.double() @ A.double(), dim=1)
         torch.testing.assert_close(bk, be, rtol=1e-5, atol=1e-6)
@@ -442,18 +448,33 @@ else:
         W = (torch.randn(d_out, d_in, generator=gen) / d_in ** 0.5).to(torch.bfloat16)
         A = torch.randn(r, d_in, generator=gen) / d_in ** 0.5
         ref = W.double() @ A.double().T
-        errs = {}
-        saved = kn._SPLIT_PARTS
-        try:
-            for parts in (1, 2, 3):
-                kn._SPLIT_PARTS = parts
-                U = torch.empty(d_out, r)
-                kn._gram(W, A, U, None, True)
-                errs[parts] = ((U.double() - ref).norm() / ref.norm()).item()
-        finally:
-            kn._SPLIT_PARTS = saved
-        assert errs[3] < 1e-6 and errs[2] < 1e-4 and errs[1] < 1e-2, errs
-        assert errs[1] > 30 * errs[2] and errs[2] > 30 * errs[3], errs
+        # A's parts split once (_MODE_PRESPLIT): bf16 hi, mid, lo, each carrying the next ~8 bits of A (the
+        # interpreter rounds fp32 -> bf16 toward zero, the GPU to nearest: bounds, not exact values), summing to A
+        parts3 = kn._split_parts(A, 3)
+        assert parts3.shape == (3, r, d_in) and parts3.dtype == torch.bfloat16
+        p64, a64 = parts3.double(), A.double()
+        assert ((a64 - p64[0]).abs() <= 2 ** -7 * a64.abs()).all()
+        assert ((a64 - p64[0] - p64[1]).abs() <= 2 ** -15 * a64.abs()).all()
+        assert _rel(p64.sum(0), a64) < 2 ** -22
+        At = A.t().contiguous().t()  # strided A
+        assert torch.equal(kn._split_parts(At, 3), parts3)
+        for presplit in (False, True):
+            errs = {}
+            saved = kn._SPLIT_PARTS, kn._PRESPLIT
+            kn._PRESPLIT = presplit
+            try:
+                for parts in (1, 2, 3):
+                    kn._SPLIT_PARTS = parts
+                    U = torch.empty(d_out, r)
+                    a = kn._split_parts(A, parts) if presplit else A
+                    with _launches("_GRAM") as launches:
+                        kn._gram(W, a, U, None, True, plan=kn._gram_plan(W, A, False))
+                    assert launches[0][1][1] == (kn._MODE_PRESPLIT if presplit else kn._MODE_SPLIT)
+                    errs[parts] = ((U.double() - ref).norm() / ref.norm()).item()
+            finally:
+                kn._SPLIT_PARTS, kn._PRESPLIT = saved
+            assert errs[3] < 1e-6 and errs[2] < 1e-4 and errs[1] < 1e-2, (presplit, errs)
+            assert errs[1] > 30 * errs[2] and errs[2] > 30 * errs[3], (presplit, errs)
         for hdt in (torch.bfloat16, torch.float16):
             Wh, Ah = W.to(hdt), A.to(hdt)
             B = (torch.randn(d_out, r, generator=gen) * 0.3).to(hdt)
@@ -475,6 +496,52 @@ else:
             torch.testing.assert_close(U.double(), Wh.double() @ Ah.double().T, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(nk, ne, rtol=2e-5, atol=1e-6)
             _envelope(nk, ne, dense, torch.float32, "norm one product")
+
+    @pytest.mark.parametrize("bdt", [torch.float32, torch.bfloat16], ids=str)
+    def test_presplit_chunks(bdt):
+        """bf16 W with fp32 A: A's parts split once per K chunk (_MODE_PRESPLIT), the U pass run chunk by chunk
+        (cross-term partial sums of every chunk, the quadratic term's from the last): the same norm as one chunk and
+        as the split in registers, within the fp64 envelope; the chunk size keeps the working set within
+        _WORKSET_PLAN x (U + G) bytes, and where no chunking fits, the split stays in registers."""
+        d_out, d_in, r = 1400, 1100, 24  # parts of all d_in: over the limit; of 512 columns: within it
+        gen = torch.Generator().manual_seed(41)
+        W = (torch.randn(d_out, d_in, generator=gen) / d_in ** 0.5).to(torch.bfloat16)
+        A = torch.randn(r, d_in, generator=gen) / d_in ** 0.5
+        B = (torch.randn(d_out, r, generator=gen) * 0.5).to(bdt)
+        s = 2.1
+        ne, be = on.factored_norm_eager(W, A, B, s)
+        dense = torch.linalg.norm(W.double() + s * B.double() @ A.double(), dim=1)
+        limit_bytes = kn._WORKSET_PLAN * 4 * (d_out * r + r * r)
+        cfg = kn._PRESPLIT_CFG
+        results = {}
+        saved = kn._WORKSET_PLAN, kn._PRESPLIT_MAX_CHUNKS
+        try:
+            for name, limit, max_chunks in [("whole", 1e9, 6), ("chunks", None, 6), ("registers", None, 1)]:
+                kn._WORKSET_PLAN = limit if limit is not None else saved[0]
+                kn._PRESPLIT_MAX_CHUNKS = max_chunks
+                kc = kn._presplit_chunk(d_out, d_in, r, 3, cfg, W.device)
+                with _launches("_GRAM") as launches, _launches("_SPLIT_PARTS_LAUNCH") as splits:
+                    nk, bk = kn.factored_norm_triton(W, A, B, s)
+                    nk2, _ = kn.factored_norm_triton(W, A, B, s, base_sq=bk)
+                results[name] = (kc, nk, bk, nk2, [cs for _, cs in launches], len(splits))
+        finally:
+            kn._WORKSET_PLAN, kn._PRESPLIT_MAX_CHUNKS = saved
+        # whole: one U launch over d_in; chunks: 512-column chunks (the parts of all d_in would not fit); registers:
+        # no chunking allowed, so the in-register split
+        assert results["whole"][0] == d_in and results["chunks"][0] == 512 and results["registers"][0] == 0
+        assert 6 * r * d_in > limit_bytes - 4 * r * r  # the whole parts buffer alone would break the limit
+        for name, n_u, mode in [("whole", 1, kn._MODE_PRESPLIT), ("chunks", 3, kn._MODE_PRESPLIT),
+                                ("registers", 1, kn._MODE_SPLIT)]:
+            kc, nk, bk, nk2, consts, n_split = results[name]
+            u = [c for c in consts if c[1] != kn._MODE_SPLIT2 and c[1] != kn._MODE_FP32]  # not the G pass
+            assert len(u) == 2 * n_u and {c[1] for c in u} == {mode}, (name, consts)
+            assert [c[-3] for c in u] == ([False] * (n_u - 1) + [True]) * 2, (name, consts)  # QUAD: last chunk only
+            assert n_split == (2 * n_u if mode == kn._MODE_PRESPLIT else 0), (name, n_split)
+            torch.testing.assert_close(bk, be, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(nk, ne, rtol=2e-5, atol=1e-6)
+            torch.testing.assert_close(nk2, nk, rtol=1e-6, atol=1e-7)
+            _envelope(nk, ne, dense, torch.float32, f"norm, {name}")
+        torch.testing.assert_close(results["chunks"][1], results["whole"][1], rtol=1e-6, atol=1e-7)
 
     @pytest.mark.parametrize("g_prec", ["split", "ieee"])
     def test_gram_of_fp32_a(g_prec):
@@ -509,7 +576,7 @@ else:
         assert _rel(ne, dense) > 0 and _rel(W.double().norm(dim=1), dense) > 0.9  # quadratic-dominated
         _envelope(nk, ne, dense, torch.float64, "norm, quadratic term dominant")
 
-    @pytest.mark.parametrize("where", ["u_pass", "u_pass_ksplit", "combine_split", "combine_ieee"])
+    @pytest.mark.parametrize("where", ["u_pass", "u_pass_ksplit", "u_pass_presplit", "combine_split", "combine_ieee"])
     @pytest.mark.parametrize("dname", ["bf16W_fp32AB", "bf16", "fp16", "fp32"])
     def test_norm_quadratic_term(dname, where):
         """B G where the quadratic term s^2 rowsum((B G) * B) dominates the norm (tiny W, large s B A), r spanning
@@ -526,24 +593,28 @@ else:
         s = 3.0
         in_u = where.startswith("u_pass")
         bprec = where.split("_")[-1] if not in_u else kn._COMBINE_PREC
-        saved = kn._COMBINE_PREC, kn._COMBINE_PREC_WIDE_B, kn._QUAD_IN_U
+        saved = kn._COMBINE_PREC, kn._COMBINE_PREC_WIDE_B, kn._QUAD_IN_U, kn._PRESPLIT, kn._WORKSET_PLAN
         kn._COMBINE_PREC = kn._COMBINE_PREC_WIDE_B = bprec
         kn._QUAD_IN_U = in_u
+        kn._PRESPLIT = where == "u_pass_presplit"
+        kn._WORKSET_PLAN = 1e9 if kn._PRESPLIT else saved[-1]
         if where == "u_pass_ksplit":
             kn._SPLIT_OVERRIDE["U"] = 2
         try:
             with _launches("_COMBINE") as launches, _launches("_GRAM") as glaunches:
                 nk, _ = kn.factored_norm_triton(W, A, B, s)
         finally:
-            kn._COMBINE_PREC, kn._COMBINE_PREC_WIDE_B, kn._QUAD_IN_U = saved
+            kn._COMBINE_PREC, kn._COMBINE_PREC_WIDE_B, kn._QUAD_IN_U, kn._PRESPLIT, kn._WORKSET_PLAN = saved
             kn._SPLIT_OVERRIDE.clear()
         consts = [cs for _, cs in launches]
         bparts = 1 if adt == torch.bfloat16 else 3
-        assert consts[0][-2:] == (not in_u, in_u), consts  # the combine's QUAD, QUAD_PARTS
+        assert consts[0][-1] == (not in_u), consts  # the combine's QUAD (B G computed there)
         if not in_u:
             assert consts[0][1:3] == (bprec, bparts), consts
         ugrid, ucs = glaunches[-1]
-        assert ucs[-3:] == (True, in_u, bparts), ucs  # CROSS, QUAD, B_PARTS of the U pass
+        if adt == torch.float32 and wdt == torch.bfloat16:
+            assert ucs[1] == (kn._MODE_PRESPLIT if where == "u_pass_presplit" else kn._MODE_SPLIT), ucs
+        assert ucs[-4:-1] == (True, in_u, bparts), ucs  # CROSS, QUAD, B_PARTS of the U pass
         assert ugrid[1] == (2 if where == "u_pass_ksplit" else ugrid[1]) and ucs[7] < r, (ugrid, ucs)
         ne, _ = on.factored_norm_eager(W, A, B, s)
         dense = torch.linalg.norm(W.double() + s * B.double() @ A.double(), dim=1)

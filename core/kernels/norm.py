@@ -61,6 +61,7 @@ _W_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MODE_FP32 = 0  # both operands to fp32, PREC input precision
 _MODE_SPLIT = 1  # half-precision X, fp32 A split into hi + mid + lo in X's dtype
 _MODE_SPLIT2 = 2  # fp32 X and A (G = A A^T), both split into bf16 hi + mid + lo, six products
+_MODE_PRESPLIT = 3  # as _MODE_SPLIT, with A's parts split once beforehand (_split_parts_kernel) and loaded as bf16
 
 if AVAILABLE:
 
@@ -95,29 +96,40 @@ if AVAILABLE:
         return _dot(ph, qh, acc, UPCAST)
 
     @triton.jit
-    def _gram_dots(x, a, acc, MODE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, TRANS: tl.constexpr,
-                   NPARTS: tl.constexpr):
+    def _parts_dots(x, hi, mid, lo, acc, UPCAST: tl.constexpr, TRANS: tl.constexpr, NPARTS: tl.constexpr):
+        """acc + X (hi + mid + lo)^T (the first NPARTS parts) or, TRANS, (hi + mid + lo) X^T: one tensor-core product
+        per part, smallest first (the largest lands on the small ones' sum)."""
+        if TRANS:  # the A parts as the left operand
+            if NPARTS == 3:
+                acc = _dot(lo, x, acc, UPCAST)
+            if NPARTS >= 2:
+                acc = _dot(mid, x, acc, UPCAST)
+            acc = _dot(hi, x, acc, UPCAST)
+        else:
+            if NPARTS == 3:
+                acc = _dot(x, lo, acc, UPCAST)
+            if NPARTS >= 2:
+                acc = _dot(x, mid, acc, UPCAST)
+            acc = _dot(x, hi, acc, UPCAST)
+        return acc
+
+    @triton.jit
+    def _gram_dots(x, a, a_mid, a_lo, acc, MODE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+                   TRANS: tl.constexpr, NPARTS: tl.constexpr):
         """acc + the products of one K block: X A^T ([BLOCK_O, BLOCK_R]) or, TRANS, A X^T ([BLOCK_R, BLOCK_O]).
-        Products are added smallest first, so the largest lands on the small ones' sum."""
-        if MODE == 1:
-            # A as NPARTS half-precision parts in X's dtype (hi + mid + lo: ~24 mantissa bits of an fp32 A), one
-            # tensor-core product each; NPARTS == 1 with A already in X's dtype: A itself, exact, one product
+        MODE 3: ``a``, ``a_mid``, ``a_lo`` are A's bf16 parts loaded from the pre-split copy (other modes ignore
+        ``a_mid`` and ``a_lo``)."""
+        if MODE == 3:
+            acc = _parts_dots(x, a, a_mid, a_lo, acc, UPCAST, TRANS, NPARTS)
+        elif MODE == 1:
+            # A as NPARTS half-precision parts in X's dtype (hi + mid + lo: ~24 mantissa bits of an fp32 A), split in
+            # registers; NPARTS == 1 with A already in X's dtype: A itself, exact, one product
             if NPARTS == 1:
                 hi = a.to(x.dtype)
+                acc = _parts_dots(x, hi, hi, hi, acc, UPCAST, TRANS, NPARTS)
             else:
                 hi, mid, lo = _split3(a, x.dtype)
-            if TRANS:  # the A parts as the left operand
-                if NPARTS == 3:
-                    acc = _dot(lo, x, acc, UPCAST)
-                if NPARTS >= 2:
-                    acc = _dot(mid, x, acc, UPCAST)
-                acc = _dot(hi, x, acc, UPCAST)
-            else:
-                if NPARTS == 3:
-                    acc = _dot(x, lo, acc, UPCAST)
-                if NPARTS >= 2:
-                    acc = _dot(x, mid, acc, UPCAST)
-                acc = _dot(x, hi, acc, UPCAST)
+                acc = _parts_dots(x, hi, mid, lo, acc, UPCAST, TRANS, NPARTS)
         elif MODE == 2:
             # both operands split into bf16 hi + mid + lo (fp32 X and A: G = A A^T), six products (~fp32-level)
             if TRANS:
@@ -137,6 +149,19 @@ if AVAILABLE:
         else:
             acc = tl.dot(x.to(tl.float32), a.to(tl.float32), acc, input_precision=PREC)
         return acc
+
+    @triton.jit
+    def _split_parts_kernel(a_ptr, out_ptr, K, stride_ar, stride_ak, stride_part, BLOCK: tl.constexpr):
+        """out[p, row, :] = part p of A[row, :] as bf16 hi + mid + lo (out: contiguous [3, R, K]); grid (R, K blocks)."""
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        mask = offs < K
+        v = tl.load(a_ptr + row * stride_ar + offs * stride_ak, mask=mask, other=0.0)
+        hi, mid, lo = _split3(v, tl.bfloat16)
+        dst = out_ptr + row * K + offs
+        tl.store(dst, hi, mask=mask)
+        tl.store(dst + stride_part, mid, mask=mask)
+        tl.store(dst + 2 * stride_part, lo, mask=mask)
 
     @triton.jit
     def _quad_dots(b, g, acc, TRANS: tl.constexpr, B_PARTS: tl.constexpr, UPCAST: tl.constexpr):
@@ -166,12 +191,12 @@ if AVAILABLE:
     def _norm_gram_kernel(
         x_ptr, a_ptr, out_ptr, base_ptr, b_ptr, g_ptr,
         ROWS, R, K, K_SPLIT,
-        stride_xr, stride_xk, stride_ar, stride_ak, stride_out, stride_split, stride_bo, stride_br,
+        stride_xr, stride_xk, stride_ar, stride_ak, stride_out, stride_split, stride_bo, stride_br, stride_ap,
         zero,
         NEED_BASE: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
         TRANS: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
         NPARTS: tl.constexpr, GROUP: tl.constexpr, CHAIN: tl.constexpr, CROSS: tl.constexpr,
-        QUAD: tl.constexpr, B_PARTS: tl.constexpr,
+        QUAD: tl.constexpr, B_PARTS: tl.constexpr, QBLOCK: tl.constexpr,
     ):
         # T = X[ROWS, K] @ A[R, K]^T (fp32) over the K range of split program_id(1) (K_SPLIT: a multiple of BLOCK_K).
         # CROSS: writes rowsum(B * T) of this rank tile, out[split * n_r + rank tile, ROWS] (the cross term's partial
@@ -213,26 +238,30 @@ if AVAILABLE:
                         x_ptr + offs_o[None, :] * stride_xr + offs_k[:, None] * stride_xk,
                         mask=omask[None, :] & kmask[:, None], other=0.0,
                     )
-                    a = tl.load(  # [BLOCK_R, BLOCK_K]
-                        a_ptr + offs_r[:, None] * stride_ar + offs_k[None, :] * stride_ak,
-                        mask=rmask[:, None] & kmask[None, :], other=0.0,
-                    )
+                    a_ptrs = a_ptr + offs_r[:, None] * stride_ar + offs_k[None, :] * stride_ak  # [BLOCK_R, BLOCK_K]
+                    amask = rmask[:, None] & kmask[None, :]
                 else:
                     x = tl.load(  # [BLOCK_O, BLOCK_K]
                         x_ptr + offs_o[:, None] * stride_xr + offs_k[None, :] * stride_xk,
                         mask=omask[:, None] & kmask[None, :], other=0.0,
                     )
-                    a = tl.load(  # A^T tile [BLOCK_K, BLOCK_R]
-                        a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
-                        mask=rmask[None, :] & kmask[:, None], other=0.0,
-                    )
+                    a_ptrs = a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak  # A^T: [BLOCK_K, BLOCK_R]
+                    amask = rmask[None, :] & kmask[:, None]
+                a = tl.load(a_ptrs, mask=amask, other=0.0)
+                a_mid = a
+                a_lo = a
+                if MODE == 3:  # A's pre-split bf16 parts, stride_ap apart
+                    if NPARTS >= 2:
+                        a_mid = tl.load(a_ptrs + stride_ap, mask=amask, other=0.0)
+                    if NPARTS == 3:
+                        a_lo = tl.load(a_ptrs + 2 * stride_ap, mask=amask, other=0.0)
                 if NEED_BASE:
                     xf = x.to(tl.float32)
                     if TRANS:
                         base += tl.sum(xf * xf, axis=0)
                     else:
                         base += tl.sum(xf * xf, axis=1)
-                part = _gram_dots(x, a, part, MODE, PREC, UPCAST, TRANS, NPARTS)
+                part = _gram_dots(x, a, a_mid, a_lo, part, MODE, PREC, UPCAST, TRANS, NPARTS)
             if CHAIN:
                 acc = part
             else:
@@ -241,13 +270,15 @@ if AVAILABLE:
             # the quadratic term's partial sums rowsum(B * (B G)) of this tile, written after the cross term's (rows
             # [n_splits * n_r + split * n_r + rank tile]): the combine sums each set in a fixed order and forms
             # base + 2s cross + s^2 quad exactly as with B G in the combine (one rounding of 2s and of s^2; folding
-            # (s/2) B G into the cross term instead measured 2x the error: two more scalar roundings). The rank
-            # chunks of B G are dealt out over the K-range programs (chunk i to program i mod ranges, the others write
-            # zeros); each chunk's products start from zero (restarted, as in the main loop) and are added in fp32.
+            # (s/2) B G into the cross term instead measured 2x the error: two more scalar roundings). The QBLOCK-deep
+            # rank chunks of B G are dealt out over the K-range programs (chunk i to program i mod ranges, the others
+            # write zeros); each chunk's products start from zero (restarted, as in the main loop) and are added in
+            # fp32. (QBLOCK 64 measured 8.1e-8 relative norm error where the quadratic term dominates, QBLOCK 32 7.3e-8,
+            # eager 3.2e-8: results/h200_2026-11-30_s14, call 3, and this session's call 1.)
             nsplit = tl.num_programs(1)
             qacc = fresh
-            for q0 in range(split * BLOCK_K, R, nsplit * BLOCK_K):
-                offs_q = q0 + tl.arange(0, BLOCK_K).to(tl.int64)
+            for q0 in range(split * QBLOCK, R, nsplit * QBLOCK):
+                offs_q = q0 + tl.arange(0, QBLOCK).to(tl.int64)
                 qmask = offs_q < R
                 if TRANS:
                     gq = tl.load(g_ptr + offs_q[None, :] * R + offs_r[:, None],  # (G[q, r])^T: [BLOCK_R, BLOCK_K]
@@ -292,16 +323,16 @@ if AVAILABLE:
     @triton.jit
     def _norm_combine_kernel(
         cpart_ptr, bpart_ptr, g_ptr, b_ptr, base_out_ptr, norm_ptr,
-        D, R, N_CROSS, N_BASE,
+        D, R, N_CROSS, N_BASE, N_QUAD,
         stride_bo, stride_br,
         two_s, s_sq, zero,
         WRITE_BASE: tl.constexpr, PREC: tl.constexpr, B_PARTS: tl.constexpr, UPCAST: tl.constexpr,
-        BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr, QUAD: tl.constexpr, QUAD_PARTS: tl.constexpr,
+        BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr, QUAD: tl.constexpr,
     ):
         # norm = sqrt(max(base + 2s * cross + s^2 * rowsum((B G) * B), 0)): cross and base are the sums, in a fixed
         # order, of the N_CROSS / N_BASE partial rows [*, D] the U pass wrote (base: or the cached row norms, 1 row).
-        # QUAD: B G computed here; QUAD_PARTS: the U pass wrote the quadratic term's N_CROSS partial rows after the
-        # cross term's
+        # QUAD: B G computed here; otherwise the U pass wrote the quadratic term's N_QUAD partial rows after the cross
+        # term's
         offs_o = tl.program_id(0).to(tl.int64) * BLOCK_O + tl.arange(0, BLOCK_O).to(tl.int64)
         omask = offs_o < D
         cross = tl.zeros([BLOCK_O], dtype=tl.float32)
@@ -313,10 +344,10 @@ if AVAILABLE:
         if WRITE_BASE:
             tl.store(base_out_ptr + offs_o, base, mask=omask)
         quad = tl.zeros([BLOCK_O], dtype=tl.float32)
-        if QUAD_PARTS:
-            for p in range(0, N_CROSS):
+        if not QUAD:
+            for p in range(0, N_QUAD):
                 quad += tl.load(cpart_ptr + (N_CROSS + p) * D + offs_o, mask=omask, other=0.0)
-        if QUAD:
+        else:
             for j0 in range(0, R, BLOCK_R):
                 offs_j = j0 + tl.arange(0, BLOCK_R).to(tl.int64)
                 jmask = offs_j < R
@@ -348,6 +379,7 @@ if AVAILABLE:
 if AVAILABLE:
     _GRAM = _launch.Launcher(_norm_gram_kernel)
     _COMBINE = _launch.Launcher(_norm_combine_kernel)
+    _SPLIT_PARTS_LAUNCH = _launch.Launcher(_split_parts_kernel)
 
 
 def supports(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor) -> bool:
@@ -386,7 +418,7 @@ _SPLIT_OVERRIDE: dict = {}
 # for 4096x4096 / 1024x4096 / 12288x4096 / 4096x12288, same error (1.4e-7 .. 2.2e-7). (Transposed tiles with
 # BLOCK_K = 64 then gave ~1e-3 relative errors on Triton 3.6, with the accumulation chained; restarted every K block
 # they measure fine, see _ONE_CFG.) fp32 mode gains < 7%: row tiles kept.
-_TRANS = {_MODE_SPLIT: True, _MODE_FP32: False}
+_TRANS = {_MODE_SPLIT: True, _MODE_FP32: False, _MODE_PRESPLIT: False}
 # Products per K block in the split mode (bf16 W, fp32 A): 3 = hi + mid + lo (fp32-level). Benchmarks may set 2.
 _SPLIT_PARTS = 3
 # W and A in the same half dtype: one tensor-core product of the exact operands (True), or fp32 operands with tf32x3
@@ -397,6 +429,22 @@ _SPLIT_PARTS = 3
 _ONE_PRODUCT_HALF = True
 _HALF = (torch.bfloat16, torch.float16)
 _TRANS_SPLIT_CFG = (128, 128, 32, 8, 4, True)
+# bf16 W with fp32 A: A split into its bf16 parts once per norm ([3, r, d_in] bf16, _split_parts_kernel) and the U
+# pass loading the parts (_MODE_PRESPLIT, row tiles W @ parts^T with both operands from shared memory), instead of
+# every U program splitting its fp32 A tiles in registers (_MODE_SPLIT)
+# every U program splitting its fp32 A tiles in registers (_MODE_SPLIT). The parts take 6 r d_in bytes: where that
+# would take the norm's working set over 1.25x the bytes of fp32 U and G, A is split and the U pass run in K chunks
+# (_presplit_chunk), at most _PRESPLIT_MAX_CHUNKS; beyond that (k/v projections), the split stays in registers.
+_PRESPLIT = True
+_PRESPLIT_CFG = (128, 128, 64, 8, 3, False)
+_PRESPLIT_MAX_CHUNKS = 6
+# working-set limit of the norm, in multiples of the bytes of fp32 U = W A^T and G = A A^T (issue 3), and what the
+# chunk sizing plans for: the caching allocator may hand out a cached block larger than a request (on the H200 a plan
+# at 1.22x peaked at 1.37x in tests/test_kernels_gpu.py::test_norm_working_set_gpu), so the plan keeps 0.25x slack
+_WORKSET_LIMIT = 1.25
+_WORKSET_PLAN = 1.0
+# rank-chunk depth of B G in the U pass (independent of the U tile's BLOCK_K)
+_QUAD_BLOCK = 32
 # W and A in the same half dtype (one product per K block): 64-deep K blocks, 3 stages. Measured on the H200
 # (results/h200_2026-11-30_s14/, calls 2 and 3; also session 12's run), Qwen3-8B shapes at r=384, 4096x4096 /
 # 1024x4096 / 12288x4096 / 4096x12288, kernels-only (CUDA graph) ms of the whole bf16 norm: 0.096 / 0.065 / 0.187 /
@@ -443,7 +491,7 @@ _ACC_OVERRIDE: dict = {}
 def _mode_of(x: torch.Tensor, a: torch.Tensor, gram_of_a: bool) -> tuple[int, int]:
     """(dot mode, products per K block) for X A^T."""
     if x.dtype == torch.bfloat16 and a.dtype == torch.float32 and not gram_of_a:
-        return _MODE_SPLIT, _SPLIT_PARTS
+        return (_MODE_PRESPLIT if _PRESPLIT else _MODE_SPLIT), _SPLIT_PARTS
     if gram_of_a and a.dtype == torch.float32 and _G_PREC == "split":
         return _MODE_SPLIT2, 3
     if _ONE_PRODUCT_HALF and x.dtype == a.dtype and x.dtype in _HALF:
@@ -487,6 +535,8 @@ def _gram_config(rows: int, R: int, device: torch.device, mode: int, gram_of_a: 
         return (b, b) + _G_CFG[2:]
     if mode == _MODE_SPLIT and nparts == 1:
         return _ONE_CFG  # for every shape (rows and rank tiles masked)
+    if mode == _MODE_PRESPLIT:
+        return _PRESPLIT_CFG
     if mode == _MODE_SPLIT and _TRANS[mode]:
         return _TRANS_SPLIT_CFG  # the one measured configuration, for every shape (rows and rank tiles masked)
     block_r = min(128, max(16, _next_pow2(R)))
@@ -533,6 +583,17 @@ def _gram_plan(x: torch.Tensor, a: torch.Tensor, gram_of_a: bool) -> tuple:
     return mode, nparts, _gram_config(x.shape[0], a.shape[0], x.device, mode, gram_of_a, nparts)
 
 
+def _k_ranges(K: int, split: int, block_k: int) -> tuple[int, int]:
+    """(columns per K range, ranges) of a pass over K split into up to ``split`` ranges of whole BLOCK_K blocks."""
+    k_split = _launch.cdiv(_launch.cdiv(K, split), block_k) * block_k
+    return k_split, _launch.cdiv(K, k_split)
+
+
+def _b_parts(b: torch.Tensor) -> int:
+    """bf16 parts of B in the products of B G: 1 (exact bf16 B) or 3 (hi + mid + lo)."""
+    return 1 if b.dtype == torch.bfloat16 else 3
+
+
 def _gram(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, base: Optional[torch.Tensor], upcast: bool,
           gram_of_a: bool = False, split: int = 1, b: Optional[torch.Tensor] = None, plan: Optional[tuple] = None,
           g: Optional[torch.Tensor] = None) -> int:
@@ -545,12 +606,15 @@ def _gram(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, base: Optional[to
     ``[R, R]``): ``out`` is ``[2 * split * n_r, rows]``, the quadratic term's partial sums ``rowsum(b * (b @ g))``
     (rank chunks dealt out over the K ranges) in rows ``[used ranges * n_r, 2 * used ranges * n_r)``."""
     rows, K = x.shape
-    R = a.shape[0]
     mode, nparts, cfg = plan if plan is not None else _gram_plan(x, a, gram_of_a)
+    if (a.dim() == 3) != (mode == _MODE_PRESPLIT):
+        raise ValueError("fastdora: _gram takes A's parts [parts, R, K] exactly in _MODE_PRESPLIT (pass its plan)")
+    # _MODE_PRESPLIT: ``a`` holds A's parts, [parts, R, K]
+    stride_ap, a = (a.stride(0), a[0]) if mode == _MODE_PRESPLIT else (0, a)
+    R = a.shape[0]
     block_o, block_r, block_k, warps, stages, trans = cfg
     group, chain = _ACC_OVERRIDE.get(_config_key(mode, nparts, gram_of_a), _ACC_DEFAULT)
-    k_split = _launch.cdiv(_launch.cdiv(K, split), block_k) * block_k
-    split = _launch.cdiv(K, k_split)
+    k_split, split = _k_ranges(K, split, block_k)
     grid = (_launch.cdiv(rows, block_o) * _launch.cdiv(R, block_r), split)
     cross = b is not None
     quad = cross and g is not None
@@ -560,14 +624,46 @@ def _gram(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, base: Optional[to
         grid,
         (x, a, out, base if base is not None else out, bb, g if quad else out),
         (rows, R, K, k_split, x.stride(0), x.stride(1), a.stride(0), a.stride(1), stride_out, rows * R,
-         bb.stride(0), bb.stride(-1)),
+         bb.stride(0), bb.stride(-1), stride_ap),
         (0.0,),
         (base is not None, mode, _fp32_prec(gram_of_a), upcast, bool(trans), block_o, block_r, block_k,
-         nparts, group, chain, cross, quad, 1 if bb.dtype == torch.bfloat16 else 3),
+         nparts, group, chain, cross, quad, _b_parts(bb), _QUAD_BLOCK),
         warps,
         stages,
     )
     return split
+
+
+def _split_parts(A: torch.Tensor, nparts: int, parts: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A's first ``nparts`` bf16 parts (hi, mid, lo: ~24 mantissa bits of an fp32 A) as ``[nparts, R, K]``, written
+    into ``parts`` (contiguous ``[3, R, K]`` bf16) when given."""
+    R, K = A.shape
+    if parts is None:
+        parts = torch.empty((3, R, K), dtype=torch.bfloat16, device=A.device)
+    block = 1024
+    _SPLIT_PARTS_LAUNCH((R, _launch.cdiv(K, block)), (A, parts), (K, A.stride(0), A.stride(1), R * K), (), (block,), 4)
+    return parts[:nparts]
+
+
+def _presplit_chunk(d_out: int, d_in: int, r: int, nparts: int, cfg: tuple, device: torch.device) -> int:
+    """Columns of W per U launch in _MODE_PRESPLIT (a multiple of 512; ``d_in`` itself when everything fits): the
+    parts buffer ``[nparts, r, chunk]`` bf16, the U pass's partial sums of all chunks, G, the results and the base
+    row norms stay within ``_WORKSET_PLAN`` x the bytes of fp32 U and G (``_WORKSET_LIMIT`` less the allocator's
+    slack). 0: more than ``_PRESPLIT_MAX_CHUNKS``
+    chunks would be needed (split A in registers instead)."""
+    limit = _WORKSET_PLAN * 4 * (d_out * r + r * r)
+    n_r = _launch.cdiv(r, cfg[1])
+    for n in range(1, _PRESPLIT_MAX_CHUNKS + 1):
+        kc = d_in if n == 1 else _launch.cdiv(_launch.cdiv(d_in, n), 512) * 512
+        if n > 1 and _launch.cdiv(d_in, kc) < n:
+            continue
+        su = _k_ranges(kc, _u_split(d_out, r, kc, cfg, device), cfg[2])[1]  # the most any chunk uses
+        nch = _launch.cdiv(d_in, kc)
+        partial_rows = (nch + 1) * su * n_r + nch * su  # cross and quad partial sums, base partial sums
+        total = 2 * nparts * r * kc + 4 * d_out * partial_rows + 4 * r * r + 12 * d_out  # + G, norm, base
+        if total <= limit:
+            return kc
+    return 0
 
 
 def factored_norm_triton(
@@ -604,20 +700,50 @@ def factored_norm_triton(
         else:
             _gram(A, A, G, None, upcast, gram_of_a=True)
         plan = _gram_plan(W, A, False)
-        cfg = plan[2]
-        su = _u_split(d_out, r, d_in, cfg, dev)
+        mode, nparts, cfg = plan
+        kc = d_in
+        if mode == _MODE_PRESPLIT:
+            kc = _presplit_chunk(d_out, d_in, r, nparts, cfg, dev)
+            if kc == 0:  # the parts would not fit the working-set limit: split in registers
+                mode, kc = _MODE_SPLIT, d_in
+                plan = (mode, nparts, _gram_config(d_out, r, dev, mode, False, nparts))
+                cfg = plan[2]
         n_r = _launch.cdiv(r, cfg[1])
         quad_in_u = _QUAD_IN_U
-        cpart = torch.empty(((2 if quad_in_u else 1) * su * n_r, d_out), dtype=f32, device=dev)
+        # the U pass in K chunks of kc columns (one chunk except with the parts split per chunk); each chunk's K
+        # range split over su programs; its cross-term partial sums in consecutive rows of cpart, the last chunk's
+        # quadratic-term partial sums right after all of them
+        chunks = []
+        for k0 in range(0, d_in, kc):
+            k1 = min(d_in, k0 + kc)
+            chunks.append((k0, k1, _k_ranges(k1 - k0, _u_split(d_out, r, k1 - k0, cfg, dev), cfg[2])[1]))
+        n_cross = sum(c[2] for c in chunks) * n_r
+        n_quad = chunks[-1][2] * n_r if quad_in_u else 0
+        cpart = torch.empty((n_cross + n_quad, d_out), dtype=f32, device=dev)
         if need_base:
-            bpart = torch.empty((su, d_out), dtype=f32, device=dev)
+            n_base = sum(c[2] for c in chunks)
+            bpart = torch.empty((n_base, d_out), dtype=f32, device=dev)
             base = torch.empty(d_out, dtype=f32, device=dev)
         else:
+            n_base = 1
             base = base_sq.detach().reshape(-1).to(device=dev, dtype=f32).contiguous()
             bpart = base
         s = float(scale)
-        su = _gram(W, A, cpart, bpart if need_base else None, upcast, split=su, b=B, plan=plan,
-                   g=G if quad_in_u else None)
+        pbuf = torch.empty(3 * r * kc, dtype=torch.bfloat16, device=dev) if mode == _MODE_PRESPLIT else None
+        row = brow = 0
+        for i, (k0, k1, su) in enumerate(chunks):
+            last = i == len(chunks) - 1
+            a_u, x = A, W
+            if len(chunks) > 1:
+                a_u, x = A[:, k0:k1], W[:, k0:k1]
+            if pbuf is not None:
+                a_u = _split_parts(a_u, nparts, pbuf[: 3 * r * (k1 - k0)].view(3, r, k1 - k0))
+            used = _gram(x, a_u, cpart[row:], bpart[brow:] if need_base else None, upcast, split=su, b=B, plan=plan,
+                         g=G if (quad_in_u and last) else None)
+            assert used == su
+            row += su * n_r
+            brow += su
+        del pbuf
         block_r = min(64, max(16, _next_pow2(r)))
         block_o = 64 if d_out >= 64 * _num_sms(dev) else 32
         prec = _COMBINE_PREC if B.dtype == torch.bfloat16 else _COMBINE_PREC_WIDE_B
@@ -626,10 +752,9 @@ def factored_norm_triton(
         _COMBINE(
             (_launch.cdiv(d_out, block_o),),
             (cpart, bpart, G, B, base, norm),
-            (d_out, r, su * n_r, su if need_base else 1, B.stride(0), B.stride(1)),
+            (d_out, r, n_cross, n_base, n_quad, B.stride(0), B.stride(1)),
             (2.0 * s, s * s, 0.0),
-            (need_base, prec, 1 if B.dtype == torch.bfloat16 else 3, upcast, block_o, block_r, not quad_in_u,
-             quad_in_u),
+            (need_base, prec, _b_parts(B), upcast, block_o, block_r, not quad_in_u),
             4,
         )
     return norm, base
