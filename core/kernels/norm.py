@@ -17,8 +17,10 @@ Three launches per module plus one fixed-order sum, no temporaries beyond the fp
    (without ``_QUAD_IN_U`` it computes ``quad = rowsum((B G)*B)`` itself, in d_out / 32..64 programs).
 
 Precision (everything accumulates in fp32; every path is run-to-run bitwise deterministic):
-- bf16 ``W`` with fp32 ``A``: ``A`` is split in registers into ``hi + mid + lo`` (each bf16), three bf16 tensor-core
-  products (``W`` is exact in bf16, so ``U`` keeps ~24 bits of ``A``'s mantissa).
+- bf16 ``W`` with fp32 ``A``: ``A`` as ``hi + mid + lo`` (each bf16), three bf16 tensor-core products (``W`` is exact in
+  bf16, so ``U`` keeps ~24 bits of ``A``'s mantissa). The parts are split once into a ``[3, r, d_in]`` bf16 copy
+  (``_MODE_PRESPLIT``; per K chunk, so that the working set stays within the limit) or, where even 6 chunks would not
+  fit (d_in well above d_out), by every U program in registers (``_MODE_SPLIT``).
 - ``W`` and ``A`` in the same half dtype: one tensor-core product of the exact operands.
 - everything else (fp32 / fp16 ``W`` with fp32 ``A``): fp32 operands with ``input_precision="tf32x3"``.
 - The tensor cores' own accumulation is restarted every K block and the block results are added with fp32 adds: over
