@@ -519,7 +519,7 @@ else:
             for name, limit, max_chunks in [("whole", 1e9, 6), ("chunks", None, 6), ("registers", None, 1)]:
                 kn._WORKSET_PLAN = limit if limit is not None else saved[0]
                 kn._PRESPLIT_MAX_CHUNKS = max_chunks
-                kc = kn._presplit_chunk(d_out, d_in, r, 3, cfg, W.device)
+                kc = kn._presplit_chunk(d_out, d_in, r, cfg, W.device)
                 with _launches("_GRAM") as launches, _launches("_SPLIT_PARTS_LAUNCH") as splits:
                     nk, bk = kn.factored_norm_triton(W, A, B, s)
                     nk2, _ = kn.factored_norm_triton(W, A, B, s, base_sq=bk)

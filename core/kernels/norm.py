@@ -420,7 +420,7 @@ _SPLIT_OVERRIDE: dict = {}
 # for 4096x4096 / 1024x4096 / 12288x4096 / 4096x12288, same error (1.4e-7 .. 2.2e-7). (Transposed tiles with
 # BLOCK_K = 64 then gave ~1e-3 relative errors on Triton 3.6, with the accumulation chained; restarted every K block
 # they measure fine, see _ONE_CFG.) fp32 mode gains < 7%: row tiles kept.
-_TRANS = {_MODE_SPLIT: True, _MODE_FP32: False, _MODE_PRESPLIT: False}
+_TRANS = {_MODE_SPLIT: True, _MODE_FP32: False}
 # Products per K block in the split mode (bf16 W, fp32 A): 3 = hi + mid + lo (fp32-level). Benchmarks may set 2.
 _SPLIT_PARTS = 3
 # W and A in the same half dtype: one tensor-core product of the exact operands (True), or fp32 operands with tf32x3
@@ -433,10 +433,11 @@ _HALF = (torch.bfloat16, torch.float16)
 _TRANS_SPLIT_CFG = (128, 128, 32, 8, 4, True)
 # bf16 W with fp32 A: A split into its bf16 parts once per norm ([3, r, d_in] bf16, _split_parts_kernel) and the U
 # pass loading the parts (_MODE_PRESPLIT, row tiles W @ parts^T with both operands from shared memory), instead of
-# every U program splitting its fp32 A tiles in registers (_MODE_SPLIT)
 # every U program splitting its fp32 A tiles in registers (_MODE_SPLIT). The parts take 6 r d_in bytes: where that
-# would take the norm's working set over 1.25x the bytes of fp32 U and G, A is split and the U pass run in K chunks
-# (_presplit_chunk), at most _PRESPLIT_MAX_CHUNKS; beyond that (k/v projections), the split stays in registers.
+# would take the norm's working set over _WORKSET_PLAN x the bytes of fp32 U and G, A is split and the U pass run in
+# K chunks (_presplit_chunk), at most _PRESPLIT_MAX_CHUNKS; beyond that (Qwen3-8B's k/v and down projections at
+# r=384), the split stays in registers. Measured on the H200 (results/h200_2026-12-01_s15/call2/norm_modes.json, whole
+# norm, kernels only): 4096x4096 0.195 -> 0.162 ms (2 chunks), 12288x4096 0.453 -> 0.346 ms, same error.
 _PRESPLIT = True
 _PRESPLIT_CFG = (128, 128, 64, 8, 3, False)
 _PRESPLIT_MAX_CHUNKS = 6
@@ -647,12 +648,11 @@ def _split_parts(A: torch.Tensor, nparts: int, parts: Optional[torch.Tensor] = N
     return parts[:nparts]
 
 
-def _presplit_chunk(d_out: int, d_in: int, r: int, nparts: int, cfg: tuple, device: torch.device) -> int:
+def _presplit_chunk(d_out: int, d_in: int, r: int, cfg: tuple, device: torch.device) -> int:
     """Columns of W per U launch in _MODE_PRESPLIT (a multiple of 512; ``d_in`` itself when everything fits): the
-    parts buffer ``[nparts, r, chunk]`` bf16, the U pass's partial sums of all chunks, G, the results and the base
+    parts buffer ``[3, r, chunk]`` bf16, the U pass's partial sums of all chunks, G, the results and the base
     row norms stay within ``_WORKSET_PLAN`` x the bytes of fp32 U and G (``_WORKSET_LIMIT`` less the allocator's
-    slack). 0: more than ``_PRESPLIT_MAX_CHUNKS``
-    chunks would be needed (split A in registers instead)."""
+    slack). 0: more than ``_PRESPLIT_MAX_CHUNKS`` chunks would be needed (split A in registers instead)."""
     limit = _WORKSET_PLAN * 4 * (d_out * r + r * r)
     n_r = _launch.cdiv(r, cfg[1])
     for n in range(1, _PRESPLIT_MAX_CHUNKS + 1):
@@ -662,7 +662,7 @@ def _presplit_chunk(d_out: int, d_in: int, r: int, nparts: int, cfg: tuple, devi
         su = _k_ranges(kc, _u_split(d_out, r, kc, cfg, device), cfg[2])[1]  # the most any chunk uses
         nch = _launch.cdiv(d_in, kc)
         partial_rows = (nch + 1) * su * n_r + nch * su  # cross and quad partial sums, base partial sums
-        total = 2 * nparts * r * kc + 4 * d_out * partial_rows + 4 * r * r + 12 * d_out  # + G, norm, base
+        total = 6 * r * kc + 4 * d_out * partial_rows + 4 * r * r + 12 * d_out  # parts buffer (3 parts), G, results
         if total <= limit:
             return kc
     return 0
@@ -705,7 +705,7 @@ def factored_norm_triton(
         mode, nparts, cfg = plan
         kc = d_in
         if mode == _MODE_PRESPLIT:
-            kc = _presplit_chunk(d_out, d_in, r, nparts, cfg, dev)
+            kc = _presplit_chunk(d_out, d_in, r, cfg, dev)
             if kc == 0:  # the parts would not fit the working-set limit: split in registers
                 mode, kc = _MODE_SPLIT, d_in
                 plan = (mode, nparts, _gram_config(d_out, r, dev, mode, False, nparts))
