@@ -276,7 +276,7 @@ if AVAILABLE:
             # rank chunks of B G are dealt out over the K-range programs (chunk i to program i mod ranges, the others
             # write zeros); each chunk's products start from zero (restarted, as in the main loop) and are added in
             # fp32. (QBLOCK 64 measured 8.1e-8 relative norm error where the quadratic term dominates, QBLOCK 32 7.3e-8,
-            # eager 3.2e-8: results/h200_2026-11-30_s14, call 3, and this session's call 1.)
+            # eager 3.2e-8: results/h200_2026-11-30_s14/call3 and results/h200_2026-12-01_s15/call1.)
             nsplit = tl.num_programs(1)
             qacc = fresh
             for q0 in range(split * QBLOCK, R, nsplit * QBLOCK):
