@@ -168,8 +168,8 @@ def worker(a):
 
 
 _KERNEL_GROUPS = (  # (group, substrings of the kernel name), first match wins
-    ("fastdora", ("_dora_fwd_kernel", "_dora_bwd_kernel", "_dora_reduce_kernel", "_norm_gram_kernel",
-                  "_norm_combine_kernel")),
+    ("fastdora_norm", ("_norm_gram_kernel", "_norm_combine_kernel", "_split_parts_kernel", "_g_sum_kernel")),
+    ("fastdora", ("_dora_fwd_kernel", "_dora_bwd_kernel", "_dora_reduce_kernel")),
     ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "sm80_xmma", "cublas")),
     ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("reduce", ("reduce", "norm")),
@@ -307,6 +307,13 @@ def main():
                 print(f"   host under the profiler: {kp['cpu_events']} events, self time {kp['cpu_self_ms_total']:.1f} ms;"
                       " top: " + ", ".join(f"{c['name']} {c['self_ms']:.1f}ms/{c['count']}" for c in kp["cpu_top"][:12]))
         print("\n".join(r["cprofile_tottime"].splitlines()[:45]))
+    kps = {r["variant"]: r.get("kernel_profile") or {} for r in results}
+    lora_ms = kps.get("lora", {}).get("kernel_ms_total")
+    for v, kp in kps.items():  # the norm recompute's share: its kernels vs LoRA's kernel time per iteration (issue 3)
+        norm_ms = kp.get("groups_ms", {}).get("fastdora_norm")
+        if norm_ms is not None and lora_ms:
+            print(f"\n#### {v}: norm kernels {norm_ms:.2f} ms per iteration = {100 * norm_ms / lora_ms:.2f}% of LoRA's "
+                  f"kernel time ({lora_ms:.1f} ms)")
     with open(os.path.join(a.out, "host_probe.json"), "w") as f:
         json.dump(results, f, indent=1)
 

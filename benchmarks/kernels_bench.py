@@ -432,35 +432,29 @@ def sec_norm_variants():
     return res
 
 
-# (name, module attributes, accumulation (K blocks per iteration, chained), U split over K or None = automatic)
-# Session 15: A split into bf16 parts once per norm (_MODE_PRESPLIT, key 3, the default where the parts fit the
-# working-set limit, in up to _PRESPLIT_MAX_CHUNKS K chunks) vs the split in registers; an accumulation given as
-# {"U": ..., "G": ...} applies to the U pass only. Call 1 (results/h200_2026-12-01_s15/call1) also ran presplit
-# 128x128x32 s4 (N and T), 128x128x64 s3 w4 (2x slower), 128x128x64 s4 / 128x256x64 / 128x128x32 fresh2 (out of
-# shared memory) and 128x128x64 chained (0.7e-3 .. 2.4e-3 error, not deterministic), all without chunk limits.
+# (name, module attributes, accumulation (K blocks per iteration, chained) or None = the module's defaults, U split
+# over K or None = automatic); an accumulation given as {"U": ..., "G": ...} applies to the named passes only.
+# Session 16: the pre-split U pass chained over the K range vs restarted every K block (default: chaining measured
+# less exact, see kn._ACC_DEFAULT).
+# Session 15 (results/h200_2026-12-01_s15/call1, call2) also ran presplit whole only / max 2 / max 4 chunks, no limit T,
+# split3 in registers K64 / BG combine, presplit 128x128x32 s4 (N and T), 128x128x64 s3 w4 (2x slower), 128x128x64
+# s4 / 128x256x64 / 128x128x32 fresh2 (out of shared memory) and 128x128x64 chained with G chained too (0.7e-3 ..
+# 2.4e-3 error, not deterministic).
 _PS = 3
-_AMP_MODES = [("split3 in registers K32", {"_PRESPLIT": False}, (1, False), None),
-              ("split3 in registers K64", {"_PRESPLIT": False, "_CONFIG_OVERRIDE": {1: (128, 128, 64, 8, 3, True)}},
-               (1, False), None),
-              ("presplit (default)", {}, (1, False), None),
-              ("presplit whole only", {"_PRESPLIT_MAX_CHUNKS": 1}, (1, False), None),
-              ("presplit max 2 chunks", {"_PRESPLIT_MAX_CHUNKS": 2}, (1, False), None),
-              ("presplit max 4 chunks", {"_PRESPLIT_MAX_CHUNKS": 4}, (1, False), None),
-              ("presplit no limit", {"_WORKSET_PLAN": 1e9}, (1, False), None),
-              ("presplit no limit T", {"_WORKSET_PLAN": 1e9, "_CONFIG_OVERRIDE": {_PS: (128, 128, 64, 8, 3, True)}},
-               (1, False), None),
-              ("presplit QB16", {"_QUAD_BLOCK": 16}, (1, False), None),
-              ("split3 in registers BG combine", {"_PRESPLIT": False, "_QUAD_IN_U": False}, (1, False), None)]
+_AMP_MODES = [("presplit (default)", {}, None, None),
+              ("presplit chained", {}, {"U": (1, True)}, None),
+              ("split3 in registers K32", {"_PRESPLIT": False}, None, None),
+              ("presplit no limit", {"_WORKSET_PLAN": 1e9}, None, None),
+              ("presplit QB16", {"_QUAD_BLOCK": 16}, None, None)]
 
 # Session 14 call 2 also ran (U configurations, BLOCK_O x BLOCK_R x BLOCK_K, stages; results/h200_2026-11-30_s14/):
 # 128x128x32 s3, 128x128x64 s3 (2-5% faster, but over the envelope where the quadratic term dominates: call 3),
 # 256x128x32 s3 (2x slower: spills), the same chained, split3 chained (1e-3 error, not deterministic), 128x64x32
 # 4 warps, 256x64x32 8 warps. Call 3 ran with the split mode at 128x128x64 s3 as default and "split3 U K32 s4" (today's
 # default) as the variant.
-_BF16_MODES = [("one fresh1", {"_ONE_PRODUCT_HALF": True}, (1, False), None),
-               ("one fresh1 BG combine", {"_QUAD_IN_U": False}, (1, False), None),
-               ("one fresh1 U K32", {"_CONFIG_OVERRIDE": {"one": (128, 128, 32, 8, 4, True)}}, (1, False), None)]
-# ("U K32": session 13's U configuration for the one-product mode; 128x128x64, 3 stages (_ONE_CFG) since session 14)
+_BF16_MODES = [("one (default)", {}, None, None),
+               ("one rows chained", {"_CONFIG_OVERRIDE": {"one": (128, 128, 64, 8, 3, False)}}, {"U": (1, True)}, None)]
+# Session 15 also ran "one fresh1 BG combine" and "one fresh1 U K32" ({"one": (128, 128, 32, 8, 4, True)}, session 13's)
 # "BG combine": B G in the combine kernel (session 12's code path, _QUAD_IN_U off); the default adds it in the U pass.
 # Session 12 call 1 (its norm_modes.json; G split or "ieee", B G in fp32 FMAs for every B) also ran "split3 fresh2",
 # "split2 fresh2", "split3 fresh1 U 3 stages", "split3 fresh1 U K64" ({1: (128, 128, 64, 8, 3, True)}), "one fresh2",
@@ -523,9 +517,11 @@ def sec_norm_modes():
                     for k, v in attrs.items():
                         setattr(kn, k, v)
                     m, nparts = kn._mode_of(W, A, False)
-                    acc_u, acc_g = (acc["U"], acc["G"]) if isinstance(acc, dict) else (acc, acc)
-                    kn._ACC_OVERRIDE[kn._config_key(m, nparts, False)] = acc_u
-                    kn._ACC_OVERRIDE[kn._config_key(*kn._mode_of(A, A, True), True)] = acc_g
+                    acc_u, acc_g = (acc.get("U"), acc.get("G")) if isinstance(acc, dict) else (acc, acc)
+                    if acc_u is not None:
+                        kn._ACC_OVERRIDE[kn._config_key(m, nparts, False)] = acc_u
+                    if acc_g is not None:
+                        kn._ACC_OVERRIDE[kn._config_key(*kn._mode_of(A, A, True), True)] = acc_g
                     if usplit is not None:
                         kn._SPLIT_OVERRIDE["U"] = usplit
                     ms = bench(lambda: kn.factored_norm_triton(W, A, B, s, base_sq=base), warmup=5, rep=30)

@@ -267,6 +267,7 @@ NORM_DTYPES = {
     "bf16W_fp32AB": (torch.bfloat16, torch.float32),
     "fp16W_fp32AB": (torch.float16, torch.float32),
     "bf16": (torch.bfloat16, torch.bfloat16),
+    "fp16": (torch.float16, torch.float16),
 }
 
 
@@ -291,6 +292,35 @@ def test_factored_norm_gpu(case, dname, transposed):
     _envelope(bk, be, W.double().square().sum(1), torch.float32, "base_sq", NORM_FLOOR)
     nk2, _ = kn.factored_norm_triton(W, A, B, s, base_sq=be)
     _envelope(nk2, ne, dense, torch.float32, "norm cached base", NORM_FLOOR)
+    assert torch.equal(kn.factored_norm_triton(W, A, B, s)[0], nk)  # run-to-run bitwise (chained U accumulation)
+
+
+@pytest.mark.parametrize("r", [20, 190, 384])
+@pytest.mark.parametrize("adt", [torch.float32, torch.bfloat16], ids=str)
+def test_gram_matrix_gpu(r, adt):
+    """G = A A^T as the norm computes it, over 1..16 K ranges (packed upper-triangle partial tiles, summed and
+    mirrored by _g_sum_kernel where that saves space): within 2x an fp32 matmul's error vs fp64, exactly symmetric,
+    bitwise reproducible."""
+    d_in = 4096
+    g = torch.Generator(device=DEV).manual_seed(r)
+    A = (torch.randn(r, d_in, generator=g, device=DEV) / d_in ** 0.5).to(adt)
+    ref = A.double() @ A.double().T
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        e32 = ((A.float() @ A.float().T).double() - ref).norm() / ref.norm()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    for sg in (1, 2, 5, 16):
+        G = torch.full((r, r), float("nan"), device=DEV)
+        kn._gram_matrix(A, G, sg, False)
+        err = (G.double() - ref).norm() / ref.norm()
+        assert torch.isfinite(G).all() and err <= 2 * e32 + 1e-9, (sg, err.item(), e32.item())
+        if r > 64:
+            assert torch.equal(G[:64, 64:], G[64:, :64].T), sg
+        G2 = torch.empty_like(G)
+        kn._gram_matrix(A, G2, sg, False)
+        assert torch.equal(G, G2), sg
 
 
 def test_norm_dispatch_and_fp64():

@@ -429,9 +429,10 @@ else:
             kn._CONFIG_OVERRIDE.clear()
             kn._ONE_PRODUCT_HALF, kn._PRESPLIT, kn._WORKSET_PLAN = saved_one, saved_pre, saved_lim
         grid, cs = launches[-1]  # the U pass of the cached-base call
-        # (..., NPARTS, GROUP, CHAIN, CROSS, QUAD, B_PARTS, QBLOCK)
-        assert grid[1] == 3 and cs[-4:-2] == (True, True) and cs[-7:-4] == (nparts, acc[0], acc[1]), (grid, cs)
-        assert cs[1] == mode and cs[-2] == (1 if adt == torch.bfloat16 else 3) and cs[-1] == kn._QUAD_BLOCK, cs
+        # (..., NPARTS, GROUP, CHAIN, CROSS, QUAD, B_PARTS, QBLOCK, SYM, PACKED)
+        assert grid[1] == 3 and cs[-6:-4] == (True, True) and cs[-9:-6] == (nparts, acc[0], acc[1]), (grid, cs)
+        assert cs[1] == mode and cs[-4] == (1 if adt == torch.bfloat16 else 3) and cs[-3] == kn._QUAD_BLOCK, cs
+        assert cs[-2:] == (False, False), cs  # SYM, PACKED: G's pass only
         ne, be = on.factored_norm_eager(W, A, B, s)
         dense = torch.linalg.norm(W.double() + s * B.double() @ A.double(), dim=1)
         torch.testing.assert_close(bk, be, rtol=1e-5, atol=1e-6)
@@ -535,13 +536,76 @@ else:
             kc, nk, bk, nk2, consts, n_split = results[name]
             u = [c for c in consts if c[1] != kn._MODE_SPLIT2 and c[1] != kn._MODE_FP32]  # not the G pass
             assert len(u) == 2 * n_u and {c[1] for c in u} == {mode}, (name, consts)
-            assert [c[-3] for c in u] == ([False] * (n_u - 1) + [True]) * 2, (name, consts)  # QUAD: last chunk only
+            assert [c[-5] for c in u] == ([False] * (n_u - 1) + [True]) * 2, (name, consts)  # QUAD: last chunk only
             assert n_split == (2 * n_u if mode == kn._MODE_PRESPLIT else 0), (name, n_split)
             torch.testing.assert_close(bk, be, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(nk, ne, rtol=2e-5, atol=1e-6)
             torch.testing.assert_close(nk2, nk, rtol=1e-6, atol=1e-7)
             _envelope(nk, ne, dense, torch.float32, f"norm, {name}")
         torch.testing.assert_close(results["chunks"][1], results["whole"][1], rtol=1e-6, atol=1e-7)
+
+    def test_k_split_plans(monkeypatch):
+        """K ranges of the U and G passes on a 132-SM GPU at Qwen3-8B's shapes, r=384 (128 x 128 U tiles): grids of
+        at most half the SMs' worth of tiles get one wave (k/v: 24 tiles, 5 ranges), larger ones ~6 programs per SM
+        (capped at 8 ranges of >= 512 columns); G about 2 programs per SM over its 21 upper-triangle 64 x 64 tiles,
+        within U's size in packed partial tiles (k/v: 4)."""
+        monkeypatch.setattr(kn, "_num_sms", lambda device: 132)
+        dev = torch.device("cpu")
+        cfg = (128, 128, 64, 8, 3, False)
+        assert kn._u_split(1024, 384, 4096, cfg, dev) == 5  # 24 tiles: 132 // 24
+        assert kn._u_split(4096, 384, 2048, cfg, dev) == 4  # 96 tiles: 9 wanted, 2048 // 512
+        assert kn._u_split(4096, 384, 12288, cfg, dev) == 8
+        assert kn._u_split(12288, 384, 4096, cfg, dev) == 3  # 288 tiles: cdiv(792, 288)
+        assert kn._u_split(256, 128, 4096, cfg, dev) == 8  # 2 tiles: 66 wanted, capped
+        assert kn._g_split(384, 4096, 4096 * 384, dev) == 13  # cdiv(264, 21)
+        assert kn._g_split(384, 4096, 1024 * 384, dev) == 4  # 1024 * 384 // (21 * 64 * 64)
+        monkeypatch.setattr(kn, "_G_SYM", False)
+        assert kn._g_split(384, 4096, 1024 * 384, dev) == 2  # unpacked partial G's: 1024 * 384 // 384^2
+
+    @pytest.mark.parametrize("adt", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+    def test_gram_symmetric_tiles(adt):
+        """G = A A^T from the tiles on and above the diagonal (``_G_SYM``): one program per such tile (6 for 3 x 3
+        tiles), every element written (the mirrored tiles exactly the transposes), whole and split over K, within
+        2x an fp32 matmul's error vs fp64 and close to the all-tiles G."""
+        r, d_in = 190, 90  # 3 x 3 tiles of 64 (the last one masked)
+        gen = torch.Generator().manual_seed(5)
+        A = (torch.randn(r, d_in, generator=gen) / d_in ** 0.5).to(adt)
+        ref = A.double() @ A.double().T
+        e32 = _rel(A.float() @ A.float().T, ref)
+        saved = kn._G_SYM
+        out = {}
+        try:
+            for sym in (True, False):
+                kn._G_SYM = sym
+                with _launches("_GRAM") as launches:
+                    G = torch.full((r, r), float("nan"))
+                    kn._gram(A, A, G, None, True, gram_of_a=True)
+                    parts = torch.full((3, r, r), float("nan"))
+                    used = kn._gram(A, A, parts, None, True, gram_of_a=True, split=3)
+                out[sym] = (G, parts[:used].sum(0), launches)
+        finally:
+            kn._G_SYM = saved
+        G, Gs, launches = out[True]
+        b = kn._gram_config(r, r, A.device, kn._MODE_FP32, True)[0]
+        assert b == 64 and [g[0] for g, _ in launches] == [6, 6] and all(cs[-2] is True for _, cs in launches)
+        assert [g[0] for g, _ in out[False][2]] == [9, 9] and all(cs[-2] is False for _, cs in out[False][2])
+        for g in (G, Gs):
+            assert torch.isfinite(g).all()
+            assert torch.equal(g[:64, 64:], g[64:, :64].T) and torch.equal(g[64:128, 128:], g[128:, 64:128].T)
+            assert _rel(g, ref) <= 2 * e32 + 1e-9, (_rel(g, ref), e32)
+        torch.testing.assert_close(G, out[False][0], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(Gs, out[False][1], rtol=1e-6, atol=1e-7)
+        # the norm's path: the K ranges' partial G's as packed upper-triangle tiles (6 of 64 x 64 here, 21/36 of the
+        # space at r=384), summed in order and unpacked (mirrored) by _g_sum_kernel; the same sums as Gs
+        with _launches("_GRAM") as glaunches, _launches("_G_SUM") as slaunches:
+            Gp = torch.full((r, r), float("nan"))
+            kn._gram_matrix(A, Gp, 3, True)
+        assert [g[0] for g, _ in glaunches] == [6] and glaunches[0][1][-2:] == (True, True), glaunches
+        assert [g[0] for g, _ in slaunches] == [6], slaunches
+        assert torch.isfinite(Gp).all() and torch.equal(Gp[:64, 64:], Gp[64:, :64].T)
+        torch.testing.assert_close(Gp, Gs, rtol=1e-6, atol=1e-7)
+        assert _rel(Gp, ref) <= 2 * e32 + 1e-9
+        assert kn._g_split(r, 4096, 6 * 64 * 64 * 2, A.device) == 2  # capacity counts packed tiles (2 K ranges)
 
     @pytest.mark.parametrize("g_prec", ["split", "ieee"])
     def test_gram_of_fp32_a(g_prec):
@@ -614,7 +678,7 @@ else:
         ugrid, ucs = glaunches[-1]
         if adt == torch.float32 and wdt == torch.bfloat16:
             assert ucs[1] == (kn._MODE_PRESPLIT if where == "u_pass_presplit" else kn._MODE_SPLIT), ucs
-        assert ucs[-4:-1] == (True, in_u, bparts), ucs  # CROSS, QUAD, B_PARTS of the U pass
+        assert ucs[-6:-3] == (True, in_u, bparts), ucs  # CROSS, QUAD, B_PARTS of the U pass
         assert ugrid[1] == (2 if where == "u_pass_ksplit" else ugrid[1]) and ucs[7] < r, (ugrid, ucs)
         ne, _ = on.factored_norm_eager(W, A, B, s)
         dense = torch.linalg.norm(W.double() + s * B.double() @ A.double(), dim=1)

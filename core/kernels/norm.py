@@ -2,10 +2,13 @@
 
     ||W + sBA||^2_row = ||W||^2_row + 2s * rowsum(B * U) + s^2 * rowsum((B @ G) * B),  U = W A^T, G = A A^T
 
-Three launches per module plus one fixed-order sum, no temporaries beyond the fp32 results:
+Four launches per module (plus, for bf16 W with fp32 A, one parts split per K chunk of the U pass), no temporaries
+beyond the fp32 results:
 
-1. ``_norm_gram_kernel`` over ``X = A``: ``G = A A^T`` ``[r, r]`` fp32. Its few output tiles each loop over all of
-   ``d_in``, so the K range is split over programs (partial G's, at most U's size, then one fixed-order sum).
+1. ``_norm_gram_kernel`` over ``X = A`` (``SYM``): ``G = A A^T`` ``[r, r]`` fp32 from the tiles on and above the
+   diagonal (21 of 36 at r=384). Its few output tiles each loop over all of ``d_in``, so the K range is split over
+   programs: their partial tiles, packed (at most U's size), are summed in a fixed order and mirrored into ``G`` by
+   ``_g_sum_kernel``.
 2. ``_norm_gram_kernel`` over ``X = W`` with ``CROSS``: the tiles of ``U = W A^T`` are reduced at once to the cross
    term's partial sums ``rowsum(B * U_tile)`` per rank tile and K range (``[K ranges * rank tiles, d_out]``; U itself is
    never stored), and, unless a cached ``base_sq`` is given, ``||W||^2``'s partial sums. ``W`` is read in its storage
@@ -25,7 +28,9 @@ Precision (everything accumulates in fp32; every path is run-to-run bitwise dete
 - everything else (fp32 / fp16 ``W`` with fp32 ``A``): fp32 operands with ``input_precision="tf32x3"``.
 - The tensor cores' own accumulation is restarted every K block and the block results are added with fp32 adds: over
   long chains it measured less exact (one bf16 product chained over d_in: 5e-5 .. 3e-4 relative norm error, and not
-  reproducible run to run, on the H200 with Triton 3.6; restarted: 3.7e-8 .. 4e-8, eager 3.8e-8 .. 4.6e-8).
+  reproducible run to run, on the H200 with Triton 3.6; restarted: 3.7e-8 .. 4e-8, eager 3.8e-8 .. 4.6e-8). Chained
+  on row tiles it is reproducible and 8-13% faster, but still loses precision with the chain's length (G chained over
+  128 K blocks: 2.2e-5 relative error, over 4: 9.6e-7, restarted 1.0e-7 .. 1.6e-7; see ``_ACC_DEFAULT``).
 - ``G`` (fp32 ``A``): both operands split into bf16 ``hi + mid + lo``, six tensor-core products (every product down
   to 2^-16 of the leading one), accumulation restarted every K block as above. ``B G`` (U pass) likewise: ``G`` as
   bf16 parts, ``B`` exact (bf16) or split, 3 or 6 products per rank chunk, restarted per chunk. Where the
@@ -116,6 +121,18 @@ if AVAILABLE:
         return acc
 
     @triton.jit
+    def _tri_tile(pid, n):
+        """(row tile, column tile) of the pid-th tile on or above the diagonal of an n x n tile grid, row by row."""
+        t = pid
+        i = pid * 0
+        left = n
+        while t >= left:
+            t -= left
+            i += 1
+            left -= 1
+        return i, i + t
+
+    @triton.jit
     def _gram_dots(x, a, a_mid, a_lo, acc, MODE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
                    TRANS: tl.constexpr, NPARTS: tl.constexpr):
         """acc + the products of one K block: X A^T ([BLOCK_O, BLOCK_R]) or, TRANS, A X^T ([BLOCK_R, BLOCK_O]).
@@ -198,7 +215,7 @@ if AVAILABLE:
         NEED_BASE: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
         TRANS: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
         NPARTS: tl.constexpr, GROUP: tl.constexpr, CHAIN: tl.constexpr, CROSS: tl.constexpr,
-        QUAD: tl.constexpr, B_PARTS: tl.constexpr, QBLOCK: tl.constexpr,
+        QUAD: tl.constexpr, B_PARTS: tl.constexpr, QBLOCK: tl.constexpr, SYM: tl.constexpr, PACKED: tl.constexpr,
     ):
         # T = X[ROWS, K] @ A[R, K]^T (fp32) over the K range of split program_id(1) (K_SPLIT: a multiple of BLOCK_K).
         # CROSS: writes rowsum(B * T) of this rank tile, out[split * n_r + rank tile, ROWS] (the cross term's partial
@@ -210,11 +227,18 @@ if AVAILABLE:
         # range. Otherwise the products of one iteration go to a fresh accumulator (`zero` is a runtime 0.0, so the
         # compiler cannot fold the add back into the chain) that is added to the running sum in fp32 registers: the
         # tensor cores' own accumulation (less exact than fp32 adds over long chains, measured) spans GROUP blocks.
+        # SYM (G = A A^T, square tiles): program_id(0) enumerates the tiles on and above the diagonal only, row by
+        # row; each off-diagonal tile is also written mirrored (G is symmetric), so 21 instead of 36 tiles at r=384.
+        # PACKED (with SYM): each tile written whole, row-major, as the program_id(0)-th BLOCK_O x BLOCK_R block of
+        # this K range's slice of ``out`` (the partial G's in 21/36 of the space; _g_sum_kernel sums and unpacks)
         pid = tl.program_id(0)
         split = tl.program_id(1)
         n_r = tl.cdiv(R, BLOCK_R)
-        pid_o = pid // n_r
-        pid_r = pid % n_r
+        if SYM:
+            pid_o, pid_r = _tri_tile(pid, n_r)
+        else:
+            pid_o = pid // n_r
+            pid_r = pid % n_r
         offs_o = pid_o.to(tl.int64) * BLOCK_O + tl.arange(0, BLOCK_O).to(tl.int64)
         offs_r = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
         omask = offs_o < ROWS
@@ -312,12 +336,28 @@ if AVAILABLE:
                 tl.store(out_ptr + qrow.to(tl.int64) * ROWS + offs_o, cq, mask=omask)
         else:
             out_base = out_ptr + split.to(tl.int64) * stride_split
-            if TRANS:
+            if PACKED:
+                tile = out_base + pid.to(tl.int64) * (BLOCK_O * BLOCK_R)
+                ta = tl.arange(0, BLOCK_O)
+                tc = tl.arange(0, BLOCK_R)
+                if TRANS:
+                    tl.store(tile + ta[None, :] * BLOCK_R + tc[:, None], acc)
+                else:
+                    tl.store(tile + ta[:, None] * BLOCK_R + tc[None, :], acc)
+            elif TRANS:
                 tl.store(out_base + offs_o[None, :] * stride_out + offs_r[:, None], acc,
                          mask=rmask[:, None] & omask[None, :])
             else:
                 tl.store(out_base + offs_o[:, None] * stride_out + offs_r[None, :], acc,
                          mask=omask[:, None] & rmask[None, :])
+            if SYM and not PACKED:
+                if pid_o != pid_r:  # the mirrored tile (a diagonal tile is written once, as computed)
+                    if TRANS:
+                        tl.store(out_base + offs_r[:, None] * stride_out + offs_o[None, :], acc,
+                                 mask=rmask[:, None] & omask[None, :])
+                    else:
+                        tl.store(out_base + offs_r[None, :] * stride_out + offs_o[:, None], acc,
+                                 mask=omask[:, None] & rmask[None, :])
         if NEED_BASE:
             if pid_r == 0:
                 tl.store(base_ptr + split.to(tl.int64) * ROWS + offs_o, base, mask=omask)
@@ -379,6 +419,28 @@ if AVAILABLE:
 
 
 if AVAILABLE:
+
+    @triton.jit
+    def _g_sum_kernel(part_ptr, g_ptr, R, NSPLIT, stride_split, BLOCK: tl.constexpr):
+        """G from its packed partial tiles (_norm_gram_kernel with PACKED): program p sums the p-th upper-triangle
+        tile over the NSPLIT K ranges in order (fixed order: deterministic) and writes it and its mirror into G."""
+        pid = tl.program_id(0)
+        i, j = _tri_tile(pid, tl.cdiv(R, BLOCK))
+        ta = tl.arange(0, BLOCK)
+        loc = ta[:, None] * BLOCK + ta[None, :]
+        acc = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
+        for sp in range(0, NSPLIT):
+            acc += tl.load(part_ptr + sp * stride_split + pid * (BLOCK * BLOCK) + loc)
+        rows = i.to(tl.int64) * BLOCK + ta
+        cols = j.to(tl.int64) * BLOCK + ta
+        m = (rows < R)[:, None] & (cols < R)[None, :]
+        tl.store(g_ptr + rows[:, None] * R + cols[None, :], acc, mask=m)
+        if i != j:
+            tl.store(g_ptr + cols[None, :] * R + rows[:, None], acc, mask=m)
+
+
+if AVAILABLE:
+    _G_SUM = _launch.Launcher(_g_sum_kernel)
     _GRAM = _launch.Launcher(_norm_gram_kernel)
     _COMBINE = _launch.Launcher(_norm_combine_kernel)
     _SPLIT_PARTS_LAUNCH = _launch.Launcher(_split_parts_kernel)
@@ -455,12 +517,15 @@ _QUAD_BLOCK = 32
 # 2-5% faster there, but its 64-deep rank chunks of B G (six products each) measured 8.1e-8 relative norm error where
 # the quadratic term dominates, over the 2x-eager envelope (eager 3.2e-8; call 3, test_norm_quadratic_dominant_gpu),
 # where the 32-deep chunks pass (call 2). (Session 10 saw ~1e-3 errors with 64-deep transposed tiles on Triton 3.6,
-# with the accumulation chained; restarted every K block they measure fine.)
+# with the accumulation chained; restarted every K block they measure fine.) Row tiles chained: see _ACC_DEFAULT.
 _ONE_CFG = (128, 128, 64, 8, 3, True)
 # G = A A^T tiles, from benchmarks/results/h200x2_2026-11-30_s11/norm_modes.json (Qwen3-8B A's at r=384, tf32x3):
 # 64x64x32 transposed tiles split ~16 ways over d_in: 0.035 ms (d_in 4096) / 0.072 ms (12288) vs 0.066 / 0.17 ms for
 # the 32x32x64 row tiles used before, same or lower error
 _G_CFG = (64, 64, 32, 4, 3, True)
+# G = A A^T from the tiles on and above the diagonal only, each off-diagonal one also stored mirrored (True), or from
+# all tiles (False)
+_G_SYM = True
 # Products of G = A A^T for an fp32 A: "split" (both operands as bf16 hi + mid + lo, six tensor-core products,
 # _MODE_SPLIT2), "ieee" (fp32 FMAs) or "tf32x3"; and of B G in the combine kernel: "split" (G as bf16 hi + mid + lo,
 # B exact in bf16 or split too: 3 or 6 tensor-core products per rank chunk), "ieee" or "tf32x3". Both are
@@ -484,8 +549,12 @@ _QUAD_IN_U = True
 # Accumulation: (K blocks per loop iteration, chained). Chained: the tensor cores accumulate over the whole K range;
 # not chained: each iteration's products start from zero and are added to the running sum with fp32 adds (see
 # _norm_gram_kernel). Default for every mode: restarted every K block. Measured (norm_modes_call2.json): chained one
-# bf16 product gave 5.5e-5 .. 3e-4 error and differed between runs; restarted, 5.1e-8 .. 5.4e-8, bitwise
-# reproducible; for the AMP split the same error either way (7.0e-8 .. 7.9e-8) at 2-3% more time.
+# bf16 product on transposed tiles gave 5.5e-5 .. 3e-4 error and differed between runs; restarted, 5.1e-8 .. 5.4e-8,
+# bitwise reproducible. Session 16 (results/h200_2026-12-01_s16/, calls 2 and 3) chained row tiles (both operands
+# from shared memory): bitwise reproducible and 8-13% faster (pre-split U 4096x4096 0.145 vs 0.159 ms, 12288x4096 0.298
+# vs 0.342; one product 0.164 vs 0.189 at 12288x4096), but the tensor cores' accumulation loses precision over the
+# chain: G = A A^T chained measured 2.2e-5 relative error over 128 K blocks, 9.6e-7 over 4 (restarted 1.6e-7 /
+# 1.0e-7), and 15 norm GPU tests failed their 2x-eager envelope with the U pass chained (call 3). So never chained.
 _ACC_DEFAULT = (1, False)
 # benchmarks may override it per config key (mode, "one", "G", "G1")
 _ACC_OVERRIDE: dict = {}
@@ -557,26 +626,44 @@ def _gram_config(rows: int, R: int, device: torch.device, mode: int, gram_of_a: 
 
 
 def _g_split(R: int, K: int, capacity: int, device: torch.device) -> int:
-    """Programs over K for G = A A^T. G has only (r/64)^2 tiles (36 at r=384), each a long, latency-bound loop over
-    d_in: split K so that about 4 programs per SM run, each at least 2 K blocks long, with the partial G's fitting in
-    ``capacity`` fp32 elements (the size of the U = W A^T the norm never stores: the working set stays below U + G)."""
-    if "G" in _SPLIT_OVERRIDE:
-        return max(1, min(int(_SPLIT_OVERRIDE["G"]), capacity // (R * R)))
+    """Programs over K for G = A A^T. G has only (r/64)^2 tiles (36 at r=384, 21 of them on or above the diagonal),
+    each a long, latency-bound loop over d_in: split K so that about 2 programs per SM run, each at least 2 K blocks
+    long, with the partial G's (packed upper-triangle tiles with ``_G_SYM``) fitting in ``capacity`` fp32 elements
+    (the size of the U = W A^T the norm never stores: the working set stays below U + G). Measured on the H200
+    (results/h200_2026-12-01_s16/call3/norm_chained.json, the G pass alone at r=384, d_in 4096 / 12288, fp32 A): 12-16
+    ranges 0.031 / 0.057-0.059 ms, 24-32 ranges 0.038-0.041 / 0.065-0.066 ms, 4 ranges 0.044 / 0.11 ms."""
     b, _, block_k = _gram_config(R, R, device, _MODE_FP32, True)[:3]
-    tiles = _launch.cdiv(R, b) ** 2
-    want = _launch.cdiv(4 * _num_sms(device), tiles)
-    return max(1, min(want, K // (2 * block_k), capacity // (R * R), 64))
+    tiles = _g_tiles(_launch.cdiv(R, b))
+    per_split = tiles * b * b if _g_packed(R, b) else R * R  # one K range's partial G
+    if "G" in _SPLIT_OVERRIDE:
+        return max(1, min(int(_SPLIT_OVERRIDE["G"]), capacity // per_split))
+    want = _launch.cdiv(2 * _num_sms(device), tiles)
+    return max(1, min(want, K // (2 * block_k), capacity // per_split, 64))
+
+
+def _g_packed(R: int, b: int) -> bool:
+    """Partial G's as packed upper-triangle b x b tiles (``_G_SYM``, where that takes less space than R x R)."""
+    return _G_SYM and _g_tiles(_launch.cdiv(R, b)) * b * b < R * R
+
+
+def _g_tiles(n: int) -> int:
+    """Programs per K range of G = A A^T over ``n`` x ``n`` tiles: the upper triangle with ``_G_SYM``."""
+    return n * (n + 1) // 2 if _G_SYM else n * n
 
 
 def _u_split(rows: int, R: int, K: int, cfg: tuple, device: torch.device) -> int:
     """Programs over K for the U = W A^T pass, whose partial results are only [rows] vectors (the cross term's
     partial sums): enough programs for ~6 per SM on shapes with few output tiles (Qwen3-8B's k/v projections have 24
     at 128x128), at most 8 ranges of at least 512 columns of W. From norm_modes.json's U split timings (partial U's +
-    a sum there: 1024x4096 0.131 -> 0.038 ms with 8 ranges, 4096x12288 0.385 -> 0.241, 4096x4096 0.132 -> 0.100)."""
+    a sum there: 1024x4096 0.131 -> 0.038 ms with 8 ranges, 4096x12288 0.385 -> 0.241, 4096x4096 0.132 -> 0.100).
+    Grids of at most half as many tiles as SMs get one wave (SMs // tiles ranges): 1024x4096 at r=384 (24 tiles), 5
+    ranges, measured 0.122 / 0.091 ms vs 0.134 / 0.102 ms with 8 (AMP; results/h200_2026-12-01_s16/call1 and call3)."""
     if "U" in _SPLIT_OVERRIDE:
         return max(1, int(_SPLIT_OVERRIDE["U"]))
     tiles = _launch.cdiv(rows, cfg[0]) * _launch.cdiv(R, cfg[1])
-    return max(1, min(8, _launch.cdiv(6 * _num_sms(device), tiles), K // 512))
+    sms = _num_sms(device)
+    want = sms // tiles if 2 * tiles <= sms else _launch.cdiv(6 * sms, tiles)
+    return max(1, min(8, want, K // 512))
 
 
 def _gram_plan(x: torch.Tensor, a: torch.Tensor, gram_of_a: bool) -> tuple:
@@ -599,7 +686,7 @@ def _b_parts(b: torch.Tensor) -> int:
 
 def _gram(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, base: Optional[torch.Tensor], upcast: bool,
           gram_of_a: bool = False, split: int = 1, b: Optional[torch.Tensor] = None, plan: Optional[tuple] = None,
-          g: Optional[torch.Tensor] = None) -> int:
+          g: Optional[torch.Tensor] = None, packed: bool = False) -> int:
     """out = x @ a^T (fp32), and base = rowsum(x^2) when given. ``split > 1``: ``out`` is ``[split, rows, R]``
     contiguous and receives the partial products of up to ``split`` equal K ranges (``base``: ``[split, rows]``).
     With ``b`` (the cross term): ``out`` is ``[split * n_r, rows]`` and receives ``rowsum(b * (x @ a^T))`` per K range
@@ -607,7 +694,9 @@ def _gram(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, base: Optional[to
     ranges used (K ranges are whole BLOCK_K multiples, so it can be smaller than ``split``). ``plan``: the caller's
     ``_gram_plan(x, a, gram_of_a)``, when it already derived it. With ``b`` and ``g`` (``G = A A^T``, fp32
     ``[R, R]``): ``out`` is ``[2 * split * n_r, rows]``, the quadratic term's partial sums ``rowsum(b * (b @ g))``
-    (rank chunks dealt out over the K ranges) in rows ``[used ranges * n_r, 2 * used ranges * n_r)``."""
+    (rank chunks dealt out over the K ranges) in rows ``[used ranges * n_r, 2 * used ranges * n_r)``. ``packed``
+    (G = A A^T with ``_G_SYM``): ``out`` is ``[split, tiles * b * b]`` and receives the upper-triangle tiles whole, for
+    ``_g_sum_kernel``."""
     rows, K = x.shape
     mode, nparts, cfg = plan if plan is not None else _gram_plan(x, a, gram_of_a)
     if (a.dim() == 3) != (mode == _MODE_PRESPLIT):
@@ -616,25 +705,50 @@ def _gram(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, base: Optional[to
     stride_ap, a = (a.stride(0), a[0]) if mode == _MODE_PRESPLIT else (0, a)
     R = a.shape[0]
     block_o, block_r, block_k, warps, stages, trans = cfg
-    group, chain = _ACC_OVERRIDE.get(_config_key(mode, nparts, gram_of_a), _ACC_DEFAULT)
+    key = _config_key(mode, nparts, gram_of_a)
+    group, chain = _ACC_OVERRIDE.get(key, _ACC_DEFAULT)
     k_split, split = _k_ranges(K, split, block_k)
-    grid = (_launch.cdiv(rows, block_o) * _launch.cdiv(R, block_r), split)
     cross = b is not None
+    sym = gram_of_a and _G_SYM and not cross and block_o == block_r
+    if packed and not sym:
+        raise ValueError("fastdora: packed partial G's need _G_SYM and square G tiles")
+    n_tiles = _g_tiles(_launch.cdiv(R, block_r)) if sym else _launch.cdiv(rows, block_o) * _launch.cdiv(R, block_r)
+    grid = (n_tiles, split)
     quad = cross and g is not None
     stride_out = rows if cross else (out if out.dim() == 2 else out[0]).stride(0)
     bb = b if cross else out
     _GRAM(
         grid,
         (x, a, out, base if base is not None else out, bb, g if quad else out),
-        (rows, R, K, k_split, x.stride(0), x.stride(1), a.stride(0), a.stride(1), stride_out, rows * R,
+        (rows, R, K, k_split, x.stride(0), x.stride(1), a.stride(0), a.stride(1), stride_out,
+         n_tiles * block_o * block_r if packed else rows * R,
          bb.stride(0), bb.stride(-1), stride_ap),
         (0.0,),
         (base is not None, mode, _fp32_prec(gram_of_a), upcast, bool(trans), block_o, block_r, block_k,
-         nparts, group, chain, cross, quad, _b_parts(bb), _QUAD_BLOCK),
+         nparts, group, chain, cross, quad, _b_parts(bb), _QUAD_BLOCK, sym, packed),
         warps,
         stages,
     )
     return split
+
+
+def _gram_matrix(A: torch.Tensor, G: torch.Tensor, sg: int, upcast: bool) -> None:
+    """G = A A^T (fp32 ``[r, r]``) over ``sg`` K ranges: partial G's (at most U's size), summed in a fixed order
+    (deterministic); as packed upper-triangle tiles (``_g_packed``) summed and unpacked by ``_g_sum_kernel``."""
+    r = A.shape[0]
+    if sg <= 1:
+        _gram(A, A, G, None, upcast, gram_of_a=True)
+        return
+    b, b_r = _gram_plan(A, A, True)[2][:2]
+    if b == b_r and _g_packed(r, b):
+        tiles = _g_tiles(_launch.cdiv(r, b))
+        parts = torch.empty((sg, tiles * b * b), dtype=torch.float32, device=A.device)
+        sg = _gram(A, A, parts, None, upcast, gram_of_a=True, split=sg, packed=True)
+        _G_SUM((tiles,), (parts, G), (r, sg, parts.stride(0)), (), (b,), 4)
+        return
+    parts = torch.empty((sg, r, r), dtype=torch.float32, device=A.device)
+    sg = _gram(A, A, parts, None, upcast, gram_of_a=True, split=sg)
+    torch.sum(parts[:sg], dim=0, out=G)
 
 
 def _split_parts(A: torch.Tensor, nparts: int, parts: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -693,14 +807,7 @@ def factored_norm_triton(
         G = torch.empty((r, r), dtype=f32, device=dev)
         norm = torch.empty(d_out, dtype=f32, device=dev)
         need_base = base_sq is None
-        sg = _g_split(r, d_in, d_out * r, dev)
-        if sg > 1:  # partial G's (at most U's size), summed in a fixed order: deterministic
-            parts = torch.empty((sg, r, r), dtype=f32, device=dev)
-            sg = _gram(A, A, parts, None, upcast, gram_of_a=True, split=sg)
-            torch.sum(parts[:sg], dim=0, out=G)
-            del parts
-        else:
-            _gram(A, A, G, None, upcast, gram_of_a=True)
+        _gram_matrix(A, G, _g_split(r, d_in, d_out * r, dev), upcast)
         plan = _gram_plan(W, A, False)
         mode, nparts, cfg = plan
         kc = d_in
