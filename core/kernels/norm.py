@@ -429,8 +429,10 @@ if AVAILABLE:
         ta = tl.arange(0, BLOCK)
         loc = ta[:, None] * BLOCK + ta[None, :]
         acc = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
-        for sp in range(0, NSPLIT):
-            acc += tl.load(part_ptr + sp * stride_split + pid * (BLOCK * BLOCK) + loc)
+        ptrs = part_ptr + pid.to(tl.int64) * (BLOCK * BLOCK) + loc  # 64-bit pointer arithmetic over the K ranges
+        for _ in range(0, NSPLIT):
+            acc += tl.load(ptrs)
+            ptrs += stride_split
         rows = i.to(tl.int64) * BLOCK + ta
         cols = j.to(tl.int64) * BLOCK + ta
         m = (rows < R)[:, None] & (cols < R)[None, :]
