@@ -33,7 +33,6 @@ G_SPLITS = (1, 2, 4, 8, 12, 16, 24, 32)
 # 12288x4096 (K32 s3; K32 s4 and K64 s2 slower still), not kept.
 _PS = kn._MODE_PRESPLIT
 _NOLIM = {"_WORKSET_PLAN": 1e9}
-_ROWS64 = {1: (128, 128, 64, 8, 3, False)}
 # Call 3 (call3/norm_chained.json) ran with the pre-split and one-product U passes chained as the module default (its
 # "(default)" rows chained, "presplit restarted" / "one T restarted" the defaults of today): "presplit chained max 8 /
 # 12 chunks", "presplit chained no limit" (+ U splits), "in registers rows K64 chained / restarted"; 15 norm GPU tests
