@@ -707,8 +707,7 @@ def _gram(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, base: Optional[to
     stride_ap, a = (a.stride(0), a[0]) if mode == _MODE_PRESPLIT else (0, a)
     R = a.shape[0]
     block_o, block_r, block_k, warps, stages, trans = cfg
-    key = _config_key(mode, nparts, gram_of_a)
-    group, chain = _ACC_OVERRIDE.get(key, _ACC_DEFAULT)
+    group, chain = _ACC_OVERRIDE.get(_config_key(mode, nparts, gram_of_a), _ACC_DEFAULT)
     k_split, split = _k_ranges(K, split, block_k)
     cross = b is not None
     sym = gram_of_a and _G_SYM and not cross and block_o == block_r
