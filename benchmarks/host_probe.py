@@ -168,7 +168,8 @@ def worker(a):
 
 
 _KERNEL_GROUPS = (  # (group, substrings of the kernel name), first match wins
-    ("fastdora_norm", ("_norm_gram_kernel", "_norm_combine_kernel", "_split_parts_kernel", "_g_sum_kernel")),
+    ("fastdora_norm", ("_norm_gram_kernel", "_norm_u_tma_kernel", "_norm_combine_kernel", "_split_parts_kernel",
+                       "_g_sum_kernel")),
     ("fastdora", ("_dora_fwd_kernel", "_dora_bwd_kernel", "_dora_reduce_kernel")),
     ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "sm80_xmma", "cublas")),
     ("attention", ("flash", "fmha", "attention", "sdpa")),

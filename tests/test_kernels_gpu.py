@@ -369,12 +369,14 @@ def test_norm_quadratic_dominant_gpu(monkeypatch, quad_in_u, wdt, adt):
     assert torch.equal(nk, nk2)
 
 
-@pytest.mark.parametrize("presplit", [True, False], ids=["presplit", "split_in_registers"])
+@pytest.mark.parametrize("mode", ["presplit_tma", "presplit_pointers", "split_in_registers"])
 @pytest.mark.parametrize("case", ["realistic", "quadratic_dominant", "odd_transposed"])
-def test_norm_amp_split_modes_gpu(monkeypatch, presplit, case):
-    # bf16 W with fp32 A and B (AMP): A's bf16 parts split once into a [3, r, d_in] copy (_MODE_PRESPLIT) or in
-    # registers by every U program (_MODE_SPLIT): both within the envelope, bitwise reproducible, and close to each
-    # other (the same products, summed in another order)
+def test_norm_amp_split_modes_gpu(monkeypatch, mode, case):
+    # bf16 W with fp32 A and B (AMP): A's bf16 parts split once into a [3, r, d_in] copy (_MODE_PRESPLIT; realistic:
+    # 4 K chunks adding into the same partial sums) loaded by TMA (default on Hopper) or by pointers, or split in
+    # registers by every U program (_MODE_SPLIT): all within the envelope, bitwise reproducible, and close to each
+    # other (the same products, summed in another order). TMA only where it can address W (not the transposed view)
+    # and the parts fit (not the k/v shape of quadratic_dominant)
     d_out, d_in, r, wscale, bscale, s = {
         "realistic": (4096, 8192, 384, 1.0, 0.05, 16 / 384 ** 0.5),
         "quadratic_dominant": (1024, 4096, 384, 1e-3, 1.0, 3.0),
@@ -386,13 +388,22 @@ def test_norm_amp_split_modes_gpu(monkeypatch, presplit, case):
         W = W.t().contiguous().t()
     A = torch.randn(r, d_in, generator=g, device=DEV) / d_in ** 0.5
     B = torch.randn(d_out, r, generator=g, device=DEV) * bscale
+    presplit = mode != "split_in_registers"
     monkeypatch.setattr(kn, "_PRESPLIT", presplit)
+    monkeypatch.setattr(kn, "_TMA", mode == "presplit_tma")
     assert kn._mode_of(W, A, False)[0] == (kn._MODE_PRESPLIT if presplit else kn._MODE_SPLIT)
+    seen = []
+    real = kn._U_TMA
+    monkeypatch.setattr(kn, "_U_TMA", lambda grid, *a, **kw: (seen.append((grid, a[3])), real(grid, *a, **kw)))
     nk, bk = kn.factored_norm_triton(W, A, B, s)
     nk2, bk2 = kn.factored_norm_triton(W, A, B, s)
+    if mode == "presplit_tma" and case == "realistic":  # 4 chunks of 2048 columns, twice; ACCUM after the first
+        assert [cs[5] for _, cs in seen] == [False, True, True, True] * 2, seen
+    else:
+        assert not seen, seen
     ne, be = on.factored_norm_eager(W, A, B, s)
     dense = torch.linalg.norm(W.double() + s * B.double() @ A.double(), dim=1)
-    _envelope(nk, ne, dense, torch.float32, f"norm AMP {case} presplit={presplit}", NORM_FLOOR)
+    _envelope(nk, ne, dense, torch.float32, f"norm AMP {case} {mode}", NORM_FLOOR)
     _envelope(bk, be, W.double().square().sum(1), torch.float32, "base_sq", NORM_FLOOR)
     assert torch.equal(nk, nk2) and torch.equal(bk, bk2)
     monkeypatch.setattr(kn, "_PRESPLIT", not presplit)

@@ -64,9 +64,9 @@ else:
         seen = []
         real = getattr(kn, name)
 
-        def spy(grid, tensors, ints, floats, cs, *rest):
+        def spy(grid, tensors, ints, floats, cs, *rest, **kw):
             seen.append((grid, cs))
-            return real(grid, tensors, ints, floats, cs, *rest)
+            return real(grid, tensors, ints, floats, cs, *rest, **kw)
 
         setattr(kn, name, spy)
         try:
@@ -491,20 +491,26 @@ else:
             finally:
                 kn._ONE_PRODUCT_HALF = saved_one
             consts = [cs for _, cs in launches]
-            # (NEED_BASE, MODE, PREC, UPCAST, TRANS, BLOCK_O, BLOCK_R, BLOCK_K, NPARTS, ...): G and U, one product
-            assert [(c[1], c[8]) for c in consts] == [(kn._MODE_SPLIT, 1)] * 3, consts
+            # (NEED_BASE, MODE, PREC, UPCAST, TRANS, BLOCK_O, BLOCK_R, BLOCK_K, ACCUM, NPARTS, ...): G and U, one
+            # product
+            assert [(c[1], c[9]) for c in consts] == [(kn._MODE_SPLIT, 1)] * 3, consts
             assert consts[-1][4:8] == kn._ONE_CFG[5:6] + kn._ONE_CFG[:3]
             torch.testing.assert_close(U.double(), Wh.double() @ Ah.double().T, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(nk, ne, rtol=2e-5, atol=1e-6)
             _envelope(nk, ne, dense, torch.float32, "norm one product")
 
-    @pytest.mark.parametrize("bdt", [torch.float32, torch.bfloat16], ids=str)
-    def test_presplit_chunks(bdt):
+    @pytest.mark.parametrize("bdt, tma, d_in", [(torch.float32, False, 1100), (torch.bfloat16, False, 1100),
+                                                (torch.float32, True, 1104), (torch.bfloat16, True, 1104),
+                                                (torch.float32, True, 1100)], ids=str)
+    def test_presplit_chunks(bdt, tma, d_in, monkeypatch):
         """bf16 W with fp32 A: A's parts split once per K chunk (_MODE_PRESPLIT), the U pass run chunk by chunk
-        (cross-term partial sums of every chunk, the quadratic term's from the last): the same norm as one chunk and
-        as the split in registers, within the fp64 envelope; the chunk size keeps the working set within
-        _WORKSET_PLAN x (U + G) bytes, and where no chunking fits, the split stays in registers."""
-        d_out, d_in, r = 1400, 1100, 24  # parts of all d_in: over the limit; of 512 columns: within it
+        (every chunk adds its cross-term partial sums into the first chunk's rows, the quadratic term's come from the
+        last): the same norm as one chunk and as the split in registers, within the fp64 envelope; the chunk size
+        keeps the working set within _WORKSET_PLAN x (U + G) bytes, and where no chunking fits, the split stays in
+        registers. ``tma``: the pre-split passes on _norm_u_tma_kernel (tensor-descriptor loads, G's parts split once
+        by _g_sum_kernel) where TMA can address W's rows (2 d_in bytes, a multiple of 16), else the pointer loads."""
+        monkeypatch.setattr(kn, "_TMA_INTERPRET", tma)
+        d_out, r = 1400, 24  # parts of all d_in: over the limit; of 512 columns: within it
         gen = torch.Generator().manual_seed(41)
         W = (torch.randn(d_out, d_in, generator=gen) / d_in ** 0.5).to(torch.bfloat16)
         A = torch.randn(r, d_in, generator=gen) / d_in ** 0.5
@@ -521,10 +527,12 @@ else:
                 kn._WORKSET_PLAN = limit if limit is not None else saved[0]
                 kn._PRESPLIT_MAX_CHUNKS = max_chunks
                 kc = kn._presplit_chunk(d_out, d_in, r, cfg, W.device)
-                with _launches("_GRAM") as launches, _launches("_SPLIT_PARTS_LAUNCH") as splits:
+                with _launches("_GRAM") as launches, _launches("_SPLIT_PARTS_LAUNCH") as splits, \
+                        _launches("_U_TMA") as tmas, _launches("_G_SUM") as gsums:
                     nk, bk = kn.factored_norm_triton(W, A, B, s)
                     nk2, _ = kn.factored_norm_triton(W, A, B, s, base_sq=bk)
-                results[name] = (kc, nk, bk, nk2, [cs for _, cs in launches], len(splits))
+                results[name] = (kc, nk, bk, nk2, [cs for _, cs in launches], len(splits), [cs for _, cs in tmas],
+                                 [cs for _, cs in gsums])
         finally:
             kn._WORKSET_PLAN, kn._PRESPLIT_MAX_CHUNKS = saved
         # whole: one U launch over d_in; chunks: 512-column chunks (the parts of all d_in would not fit); registers:
@@ -533,10 +541,23 @@ else:
         assert 6 * r * d_in > limit_bytes - 4 * r * r  # the whole parts buffer alone would break the limit
         for name, n_u, mode in [("whole", 1, kn._MODE_PRESPLIT), ("chunks", 3, kn._MODE_PRESPLIT),
                                 ("registers", 1, kn._MODE_SPLIT)]:
-            kc, nk, bk, nk2, consts, n_split = results[name]
+            kc, nk, bk, nk2, consts, n_split, tma_consts, gsums = results[name]
             u = [c for c in consts if c[1] != kn._MODE_SPLIT2 and c[1] != kn._MODE_FP32]  # not the G pass
-            assert len(u) == 2 * n_u and {c[1] for c in u} == {mode}, (name, consts)
-            assert [c[-5] for c in u] == ([False] * (n_u - 1) + [True]) * 2, (name, consts)  # QUAD: last chunk only
+            if tma and d_in % 8 == 0 and mode == kn._MODE_PRESPLIT:
+                # (NEED_BASE, UPCAST, BLOCK_O, BLOCK_R, BLOCK_K, ACCUM, QUAD, B_PARTS, QBLOCK) of the TMA passes:
+                # every pre-split pass, ACCUM after the first chunk, QUAD in the last, base partial sums in the first
+                # call only; G's bf16 parts (r = 24: G unsplit, so by one more parts split per call)
+                assert not u and len(tma_consts) == 2 * n_u, (name, tma_consts, u)
+                assert [c[5] for c in tma_consts] == ([False] + [True] * (n_u - 1)) * 2, tma_consts
+                assert [c[6] for c in tma_consts] == ([False] * (n_u - 1) + [True]) * 2, tma_consts
+                assert [c[0] for c in tma_consts] == [True] * n_u + [False] * n_u, tma_consts
+                assert not gsums and n_split == 2 * n_u + 2, (gsums, n_split)
+                n_split -= 2
+            else:
+                assert not tma_consts and all(c[-1] is False for c in gsums), (name, tma_consts, gsums)
+                assert len(u) == 2 * n_u and {c[1] for c in u} == {mode}, (name, consts)
+                assert [c[-5] for c in u] == ([False] * (n_u - 1) + [True]) * 2, (name, consts)  # QUAD: last chunk
+                assert [c[-10] for c in u] == ([False] + [True] * (n_u - 1)) * 2, (name, consts)  # ACCUM: later chunks
             assert n_split == (2 * n_u if mode == kn._MODE_PRESPLIT else 0), (name, n_split)
             torch.testing.assert_close(bk, be, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(nk, ne, rtol=2e-5, atol=1e-6)
@@ -606,6 +627,19 @@ else:
         torch.testing.assert_close(Gp, Gs, rtol=1e-6, atol=1e-7)
         assert _rel(Gp, ref) <= 2 * e32 + 1e-9
         assert kn._g_split(r, 4096, 6 * 64 * 64 * 2, A.device) == 2  # capacity counts packed tiles (2 K ranges)
+        # with G's bf16 parts (for the TMA U pass): the same G, and parts exactly what the parts split (_split3, the
+        # U pass's own) gives for it, mirrored tiles too, summing back to G; from _g_sum_kernel (PARTS) when packed,
+        # else from one parts split of G
+        for sg in (3, 1):
+            with _launches("_G_SUM") as slaunches, _launches("_SPLIT_PARTS_LAUNCH") as splits:
+                Gq = torch.full((r, r), float("nan"))
+                gp = torch.full((3, r, r), float("nan"), dtype=torch.bfloat16)
+                kn._gram_matrix(A, Gq, sg, True, gp)
+            assert [cs for _, cs in slaunches] == ([(64, True)] if sg > 1 else []), slaunches
+            assert len(splits) == (0 if sg > 1 else 1), splits
+            assert torch.equal(gp, kn._split_parts(Gq, 3)), sg
+            assert _rel(gp.double().sum(0), Gq.double()) < 1e-7, sg
+            assert torch.equal(Gq, Gp if sg > 1 else G)
 
     @pytest.mark.parametrize("g_prec", ["split", "ieee"])
     def test_gram_of_fp32_a(g_prec):
@@ -684,6 +718,33 @@ else:
         dense = torch.linalg.norm(W.double() + s * B.double() @ A.double(), dim=1)
         assert _rel(W.double().norm(dim=1), dense) > 0.99  # the quadratic term is (almost) the whole norm
         _envelope(nk, ne, dense, torch.float64, f"norm, quadratic term, {dname}, B G {bprec}")
+
+    @pytest.mark.parametrize("bdt", [torch.float32, torch.bfloat16], ids=str)
+    def test_norm_quadratic_term_tma(bdt, monkeypatch):
+        """The quadratic term in the pre-split U pass on TMA (_norm_u_tma_kernel: B G from G's bf16 parts, B split
+        or exact), where it dominates the norm, K range split in two (rank chunks dealt out over two programs per
+        tile), W's rows and a rank tile past r masked: within 2x the eager fp32 error vs fp64, and the same norm as
+        the pointer-load kernel."""
+        d_out, d_in, r = 29, 152, 70
+        gen = torch.Generator().manual_seed(31)
+        W = (torch.randn(d_out, d_in, generator=gen) * 1e-3 / d_in ** 0.5).to(torch.bfloat16)
+        A = torch.randn(r, d_in, generator=gen) / d_in ** 0.5
+        B = torch.randn(d_out, r, generator=gen).to(bdt)
+        s = 3.0
+        monkeypatch.setattr(kn, "_WORKSET_PLAN", 1e9)
+        monkeypatch.setitem(kn._SPLIT_OVERRIDE, "U", 2)
+        out = {}
+        for tma in (True, False):
+            monkeypatch.setattr(kn, "_TMA_INTERPRET", tma)
+            with _launches("_U_TMA") as launches:
+                out[tma] = kn.factored_norm_triton(W, A, B, s)[0]
+            assert [(g[1], cs[5:8]) for g, cs in launches] == ([(2, (False, True, 1 if bdt == torch.bfloat16 else 3))]
+                                                              if tma else []), launches
+        ne, _ = on.factored_norm_eager(W, A, B, s)
+        dense = torch.linalg.norm(W.double() + s * B.double() @ A.double(), dim=1)
+        assert _rel(W.double().norm(dim=1), dense) > 0.99
+        _envelope(out[True], ne, dense, torch.float64, "norm, quadratic term, TMA U pass")
+        torch.testing.assert_close(out[True], out[False], rtol=1e-6, atol=1e-7)
 
     def test_norm_supports():
         W = torch.randn(8, 6)

@@ -90,10 +90,18 @@ def _hook_set(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+def _desc_key(d) -> tuple:
+    """What a TMA tensor descriptor contributes to a launch's specialisation (superset): the element type, block
+    shape, and per shape and stride entry its divisibility by 16."""
+    return (d.base.dtype, tuple(d.block_shape), tuple([v % 16 == 0 for v in d.shape]),
+            tuple([v % 16 == 0 for v in d.strides]))
+
+
 class Launcher:
-    """``Launcher(jit_fn)(grid, tensors, ints, floats, consts, num_warps[, num_stages])`` for a kernel whose
-    parameters are, in order, pointer arguments, int arguments, float arguments, constexprs (``consts``, in
-    declaration order)."""
+    """``Launcher(jit_fn)(grid, tensors, ints, floats, consts, num_warps[, num_stages][, descs=...])`` for a kernel
+    whose parameters are, in order, TMA tensor descriptors (``descs``: Triton's host-side ``TensorDescriptor``s,
+    passed as they are), pointer arguments, int arguments, float arguments, constexprs (``consts``, in declaration
+    order)."""
 
     __slots__ = ("fn", "cache", "fast")
 
@@ -103,11 +111,11 @@ class Launcher:
         self.fast = FAST_LAUNCH and isinstance(fn, JITFunction)
 
     def __call__(self, grid, tensors: tuple, ints: tuple, floats: tuple, consts: tuple, num_warps: int,
-                 num_stages: Optional[int] = None):
+                 num_stages: Optional[int] = None, descs: tuple = ()):
         if len(grid) < 3:
             grid = tuple(grid) + (1,) * (3 - len(grid))
         if not self.fast:
-            self._jit(grid, tensors, ints, floats, consts, num_warps, num_stages)
+            self._jit(grid, tensors, ints, floats, consts, num_warps, num_stages, descs)
             return
         ptrs = list(map(_data_ptr, tensors))
         key = (
@@ -121,10 +129,11 @@ class Launcher:
             num_warps,
             num_stages,
             tensors[0].get_device(),
+            tuple(map(_desc_key, descs)) if descs else None,
         )
         entry = self.cache.get(key)
         if entry is None:
-            compiled = self._jit(grid, tensors, ints, floats, consts, num_warps, num_stages)
+            compiled = self._jit(grid, tensors, ints, floats, consts, num_warps, num_stages, descs)
             if compiled is not None:  # launched and compiled; later calls go straight to it
                 self.cache[key] = (compiled, compiled.function, compiled.packed_metadata)
             return
@@ -132,19 +141,19 @@ class Launcher:
         # exactly what ``CompiledKernel.__getitem__(grid)(*args)`` does, minus the closure and driver look-ups; the
         # pointers go as integers (Triton's launcher then skips a ``data_ptr()`` call and a driver pointer query
         # per tensor: every tensor here is a CUDA tensor the caller holds for the launch)
-        stream = _raw_stream(key[-1])
+        stream = _raw_stream(key[-2])
         rt = _knobs.runtime
         enter, exit_ = rt.launch_enter_hook, rt.launch_exit_hook
         if not (_hook_set(enter) or _hook_set(exit_)):
             # no launch hooks: no launch metadata and no hook calls (Triton >= 3.5 keeps empty hook chains here,
             # which its own launch would call and build a metadata dict for on every launch)
             compiled.run(grid[0], grid[1], grid[2], stream, function, packed, None, None, None,
-                         *ptrs, *ints, *floats, *consts)
+                         *descs, *ptrs, *ints, *floats, *consts)
             return
-        args = (*tensors, *ints, *floats, *consts)  # a launch hook (profiler) sees the tensors, as from the JIT
+        args = (*descs, *tensors, *ints, *floats, *consts)  # a launch hook (profiler) sees the tensors, as from the JIT
         compiled.run(grid[0], grid[1], grid[2], stream, function, packed, compiled.launch_metadata(grid, stream, *args),
                      enter, exit_, *args)
 
-    def _jit(self, grid, tensors, ints, floats, consts, num_warps, num_stages):
+    def _jit(self, grid, tensors, ints, floats, consts, num_warps, num_stages, descs=()):
         opts = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
-        return self.fn[grid](*tensors, *ints, *floats, *consts, **opts)
+        return self.fn[grid](*descs, *tensors, *ints, *floats, *consts, **opts)

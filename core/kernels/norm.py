@@ -2,8 +2,8 @@
 
     ||W + sBA||^2_row = ||W||^2_row + 2s * rowsum(B * U) + s^2 * rowsum((B @ G) * B),  U = W A^T, G = A A^T
 
-Four launches per module (plus, for bf16 W with fp32 A, one parts split per K chunk of the U pass), no temporaries
-beyond the fp32 results:
+Four launches per module (plus, for bf16 W with fp32 A, one parts split and one U launch per K chunk of the U pass),
+no temporaries beyond the fp32 results:
 
 1. ``_norm_gram_kernel`` over ``X = A`` (``SYM``): ``G = A A^T`` ``[r, r]`` fp32 from the tiles on and above the
    diagonal (21 of 36 at r=384). Its few output tiles each loop over all of ``d_in``, so the K range is split over
@@ -15,7 +15,10 @@ beyond the fp32 results:
    dtype (any strides: transposed views work), as the transposed tile ``A W^T`` (A's parts are wgmma's register
    operand). The K range is split when the grid has few tiles (k/v projections). The same programs compute the
    tiles of ``B G`` (its rank chunks dealt out over the K ranges) and write the quadratic term's partial sums
-   ``rowsum(B * (B G)_tile)`` too (``_QUAD_IN_U``).
+   ``rowsum(B * (B G)_tile)`` too (``_QUAD_IN_U``). For bf16 W with fp32 A on Hopper or newer, where TMA can address W
+   (unit column stride, 16-byte aligned rows), the pre-split pass runs as ``_norm_u_tma_kernel`` instead (W and A's
+   parts loaded by the tensor-memory accelerator; B G from G's bf16 parts, which ``_g_sum_kernel`` writes next to
+   G). Run in K chunks (the parts buffer's size), every chunk adds its partial sums into the first chunk's rows.
 3. ``_norm_combine_kernel``: sums the partials in a fixed order, ``norm = sqrt(max(base + 2s*cross + s^2*quad, 0))``
    (without ``_QUAD_IN_U`` it computes ``quad = rowsum((B G)*B)`` itself, in d_out / 32..64 programs).
 
@@ -183,44 +186,55 @@ if AVAILABLE:
         tl.store(dst + 2 * stride_part, lo, mask=mask)
 
     @triton.jit
+    def _quad_parts_dots(b, gh, gm, gl, acc, B_PARTS: tl.constexpr, UPCAST: tl.constexpr):
+        """acc + b @ (gh + gm + gl): one rank chunk of B G from G's bf16 parts ([chunk, BLOCK_R] each) and a
+        [BLOCK_O, chunk] tile of B, exact in bf16 (B_PARTS 1: 3 products) or split too (6 products down to 2^-16 of
+        the leading one)."""
+        if B_PARTS == 1:
+            bh = b.to(tl.bfloat16)
+            acc = _dot(bh, gl, acc, UPCAST)
+            acc = _dot(bh, gm, acc, UPCAST)
+            acc = _dot(bh, gh, acc, UPCAST)
+        else:
+            bh, bm, bl = _split3(b, tl.bfloat16)
+            acc = _dot6(bh, bm, bl, gh, gm, gl, acc, UPCAST)
+        return acc
+
+    @triton.jit
     def _quad_dots(b, g, acc, TRANS: tl.constexpr, B_PARTS: tl.constexpr, UPCAST: tl.constexpr):
         """acc + one rank chunk of B G to ~fp32 level on the tensor cores: G as bf16 hi + mid + lo against B exact in
         bf16 (B_PARTS 1: 3 products) or split too (6 products down to 2^-16 of the leading one). TRANS: ``g`` is the
         [BLOCK_R, chunk] tile of G^T and ``b`` the [chunk, BLOCK_O] tile of B^T, giving (B G)^T."""
         gh, gm, gl = _split3(g, tl.bfloat16)
-        if B_PARTS == 1:
+        if not TRANS:
+            acc = _quad_parts_dots(b, gh, gm, gl, acc, B_PARTS, UPCAST)
+        elif B_PARTS == 1:
             bh = b.to(tl.bfloat16)
-            if TRANS:
-                acc = _dot(gl, bh, acc, UPCAST)
-                acc = _dot(gm, bh, acc, UPCAST)
-                acc = _dot(gh, bh, acc, UPCAST)
-            else:
-                acc = _dot(bh, gl, acc, UPCAST)
-                acc = _dot(bh, gm, acc, UPCAST)
-                acc = _dot(bh, gh, acc, UPCAST)
+            acc = _dot(gl, bh, acc, UPCAST)
+            acc = _dot(gm, bh, acc, UPCAST)
+            acc = _dot(gh, bh, acc, UPCAST)
         else:
             bh, bm, bl = _split3(b, tl.bfloat16)
-            if TRANS:
-                acc = _dot6(gh, gm, gl, bh, bm, bl, acc, UPCAST)
-            else:
-                acc = _dot6(bh, bm, bl, gh, gm, gl, acc, UPCAST)
+            acc = _dot6(gh, gm, gl, bh, bm, bl, acc, UPCAST)
         return acc
 
     @triton.jit
     def _norm_gram_kernel(
-        x_ptr, a_ptr, out_ptr, base_ptr, b_ptr, g_ptr,
+        x_ptr, a_ptr, out_ptr, base_ptr, b_ptr, g_ptr, q_ptr,
         ROWS, R, K, K_SPLIT,
         stride_xr, stride_xk, stride_ar, stride_ak, stride_out, stride_split, stride_bo, stride_br, stride_ap,
         zero,
         NEED_BASE: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
         TRANS: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-        NPARTS: tl.constexpr, GROUP: tl.constexpr, CHAIN: tl.constexpr, CROSS: tl.constexpr,
+        ACCUM: tl.constexpr, NPARTS: tl.constexpr, GROUP: tl.constexpr, CHAIN: tl.constexpr, CROSS: tl.constexpr,
         QUAD: tl.constexpr, B_PARTS: tl.constexpr, QBLOCK: tl.constexpr, SYM: tl.constexpr, PACKED: tl.constexpr,
     ):
         # T = X[ROWS, K] @ A[R, K]^T (fp32) over the K range of split program_id(1) (K_SPLIT: a multiple of BLOCK_K).
         # CROSS: writes rowsum(B * T) of this rank tile, out[split * n_r + rank tile, ROWS] (the cross term's partial
         # sums: U = W A^T itself is never stored); else the tile itself, out + split * stride_split.
         # base[split, ROWS] = rowsum(X^2) over the K range when NEED_BASE.
+        # ACCUM (CROSS; a later K chunk of the pre-split U pass): the cross term's and base's partial sums are added to
+        # the values already in those rows (the earlier chunks' sums of the same K range index and rank tile).
         # TRANS computes the transposed tile A @ X^T: the A parts are the left operand, which Hopper's wgmma reads
         # from registers, so only X goes through shared memory.
         # Each loop iteration handles GROUP K blocks. CHAIN: one accumulator chained through every product of the K
@@ -326,14 +340,16 @@ if AVAILABLE:
                 b = tl.load(b_ptr + offs_o[:, None] * stride_bo + offs_r[None, :] * stride_br,
                             mask=omask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
                 c = tl.sum(acc * b, axis=1)
-            tl.store(out_ptr + (split * n_r + pid_r).to(tl.int64) * ROWS + offs_o, c, mask=omask)
+            crow = out_ptr + (split * n_r + pid_r).to(tl.int64) * ROWS + offs_o
+            if ACCUM:
+                c = tl.load(crow, mask=omask, other=0.0) + c
+            tl.store(crow, c, mask=omask)
             if QUAD:
                 if TRANS:
                     cq = tl.sum(qacc * b, axis=0)
                 else:
                     cq = tl.sum(qacc * b, axis=1)
-                qrow = (tl.num_programs(1) + split) * n_r + pid_r
-                tl.store(out_ptr + qrow.to(tl.int64) * ROWS + offs_o, cq, mask=omask)
+                tl.store(q_ptr + (split * n_r + pid_r).to(tl.int64) * ROWS + offs_o, cq, mask=omask)
         else:
             out_base = out_ptr + split.to(tl.int64) * stride_split
             if PACKED:
@@ -360,7 +376,79 @@ if AVAILABLE:
                                  mask=omask[:, None] & rmask[None, :])
         if NEED_BASE:
             if pid_r == 0:
-                tl.store(base_ptr + split.to(tl.int64) * ROWS + offs_o, base, mask=omask)
+                brow = base_ptr + split.to(tl.int64) * ROWS + offs_o
+                if ACCUM:
+                    base = tl.load(brow, mask=omask, other=0.0) + base
+                tl.store(brow, base, mask=omask)
+
+    @triton.jit
+    def _norm_u_tma_kernel(
+        w_desc, p_desc, out_ptr, base_ptr, b_ptr, gp_ptr, q_ptr,
+        ROWS, R, K_SPLIT, K, stride_bo, stride_br, stride_gp,
+        zero,
+        NEED_BASE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr,
+        BLOCK_K: tl.constexpr, ACCUM: tl.constexpr, QUAD: tl.constexpr, B_PARTS: tl.constexpr, QBLOCK: tl.constexpr,
+    ):
+        # The pre-split U pass (_MODE_PRESPLIT, row tiles) with the tiles of W ([ROWS, K]) and of A's bf16 parts
+        # ([3 R, K]: hi, mid, lo rows) loaded by the tensor-memory accelerator (Hopper+): the same products, sums and
+        # outputs as _norm_gram_kernel with CROSS and MODE 3 (restarted every K block, three products smallest
+        # first), except that the quadratic term's B G reads G's pre-split bf16 parts (gp: [3, R, R], stride_gp
+        # apart) instead of splitting fp32 G tiles in every program. Out-of-range rows and columns load as zeros; a
+        # rank tile past R reads the next part's rows, which only meet B's masked (zero) columns.
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        n_r = tl.cdiv(R, BLOCK_R)
+        pid_o = pid // n_r
+        pid_r = pid % n_r
+        off_o = pid_o * BLOCK_O
+        off_r = pid_r * BLOCK_R
+        acc = tl.zeros([BLOCK_O, BLOCK_R], dtype=tl.float32)
+        fresh = acc + zero
+        base = tl.zeros([BLOCK_O], dtype=tl.float32)
+        k_lo = split * K_SPLIT
+        k_hi = tl.minimum(K, k_lo + K_SPLIT)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            x = w_desc.load([off_o, k0])
+            lo = p_desc.load([2 * R + off_r, k0])
+            mid = p_desc.load([R + off_r, k0])
+            hi = p_desc.load([off_r, k0])
+            if NEED_BASE:
+                xf = x.to(tl.float32)
+                base += tl.sum(xf * xf, axis=1)
+            acc += _parts_dots(x, hi.T, mid.T, lo.T, fresh, UPCAST, False, 3)
+        offs_o = off_o + tl.arange(0, BLOCK_O).to(tl.int64)
+        offs_r = off_r + tl.arange(0, BLOCK_R).to(tl.int64)
+        omask = offs_o < ROWS
+        rmask = offs_r < R
+        b = tl.load(b_ptr + offs_o[:, None] * stride_bo + offs_r[None, :] * stride_br,
+                    mask=omask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
+        c = tl.sum(acc * b, axis=1)
+        crow = out_ptr + (split * n_r + pid_r).to(tl.int64) * ROWS + offs_o
+        if ACCUM:
+            c = tl.load(crow, mask=omask, other=0.0) + c
+        tl.store(crow, c, mask=omask)
+        if QUAD:  # as in _norm_gram_kernel: rank chunks of B G dealt out over the K ranges, restarted per chunk
+            nsplit = tl.num_programs(1)
+            qacc = fresh
+            for q0 in range(split * QBLOCK, R, nsplit * QBLOCK):
+                offs_q = q0 + tl.arange(0, QBLOCK).to(tl.int64)
+                qmask = offs_q < R
+                bq = tl.load(b_ptr + offs_o[:, None] * stride_bo + offs_q[None, :] * stride_br,
+                             mask=omask[:, None] & qmask[None, :], other=0.0)
+                gmask = qmask[:, None] & rmask[None, :]
+                gq = gp_ptr + offs_q[:, None] * R + offs_r[None, :]
+                gh = tl.load(gq, mask=gmask, other=0.0)
+                gm = tl.load(gq + stride_gp, mask=gmask, other=0.0)
+                gl = tl.load(gq + 2 * stride_gp, mask=gmask, other=0.0)
+                qacc += _quad_parts_dots(bq, gh, gm, gl, fresh, B_PARTS, UPCAST)
+            cq = tl.sum(qacc * b, axis=1)
+            tl.store(q_ptr + (split * n_r + pid_r).to(tl.int64) * ROWS + offs_o, cq, mask=omask)
+        if NEED_BASE:
+            if pid_r == 0:
+                brow = base_ptr + split.to(tl.int64) * ROWS + offs_o
+                if ACCUM:
+                    base = tl.load(brow, mask=omask, other=0.0) + base
+                tl.store(brow, base, mask=omask)
 
     @triton.jit
     def _norm_combine_kernel(
@@ -421,9 +509,11 @@ if AVAILABLE:
 if AVAILABLE:
 
     @triton.jit
-    def _g_sum_kernel(part_ptr, g_ptr, R, NSPLIT, stride_split, BLOCK: tl.constexpr):
+    def _g_sum_kernel(part_ptr, g_ptr, gp_ptr, R, NSPLIT, stride_split, stride_gp, BLOCK: tl.constexpr,
+                      PARTS: tl.constexpr):
         """G from its packed partial tiles (_norm_gram_kernel with PACKED): program p sums the p-th upper-triangle
-        tile over the NSPLIT K ranges in order (fixed order: deterministic) and writes it and its mirror into G."""
+        tile over the NSPLIT K ranges in order (fixed order: deterministic) and writes it and its mirror into G;
+        PARTS: also G's bf16 parts hi, mid, lo into gp ([3, R, R], stride_gp apart), for _norm_u_tma_kernel."""
         pid = tl.program_id(0)
         i, j = _tri_tile(pid, tl.cdiv(R, BLOCK))
         ta = tl.arange(0, BLOCK)
@@ -436,14 +526,25 @@ if AVAILABLE:
         rows = i.to(tl.int64) * BLOCK + ta
         cols = j.to(tl.int64) * BLOCK + ta
         m = (rows < R)[:, None] & (cols < R)[None, :]
-        tl.store(g_ptr + rows[:, None] * R + cols[None, :], acc, mask=m)
-        if i != j:
-            tl.store(g_ptr + cols[None, :] * R + rows[:, None], acc, mask=m)
+        _store_sym(g_ptr, acc, rows, cols, m, R, i != j)
+        if PARTS:
+            hi, mid, lo = _split3(acc, tl.bfloat16)
+            _store_sym(gp_ptr, hi, rows, cols, m, R, i != j)
+            _store_sym(gp_ptr + stride_gp, mid, rows, cols, m, R, i != j)
+            _store_sym(gp_ptr + 2 * stride_gp, lo, rows, cols, m, R, i != j)
+
+    @triton.jit
+    def _store_sym(ptr, v, rows, cols, m, R, mirror):
+        """v into the [R, R] matrix at ptr at (rows, cols), and transposed at (cols, rows) when ``mirror``."""
+        tl.store(ptr + rows[:, None] * R + cols[None, :], v, mask=m)
+        if mirror:
+            tl.store(ptr + cols[None, :] * R + rows[:, None], v, mask=m)
 
 
 if AVAILABLE:
     _G_SUM = _launch.Launcher(_g_sum_kernel)
     _GRAM = _launch.Launcher(_norm_gram_kernel)
+    _U_TMA = _launch.Launcher(_norm_u_tma_kernel)
     _COMBINE = _launch.Launcher(_norm_combine_kernel)
     _SPLIT_PARTS_LAUNCH = _launch.Launcher(_split_parts_kernel)
 
@@ -499,9 +600,11 @@ _TRANS_SPLIT_CFG = (128, 128, 32, 8, 4, True)
 # pass loading the parts (_MODE_PRESPLIT, row tiles W @ parts^T with both operands from shared memory), instead of
 # every U program splitting its fp32 A tiles in registers (_MODE_SPLIT). The parts take 6 r d_in bytes: where that
 # would take the norm's working set over _WORKSET_PLAN x the bytes of fp32 U and G, A is split and the U pass run in
-# K chunks (_presplit_chunk), at most _PRESPLIT_MAX_CHUNKS; beyond that (Qwen3-8B's k/v and down projections at
-# r=384), the split stays in registers. Measured on the H200 (results/h200_2026-12-01_s15/call2/norm_modes.json, whole
-# norm, kernels only): 4096x4096 0.195 -> 0.162 ms (2 chunks), 12288x4096 0.453 -> 0.346 ms, same error.
+# K chunks (_presplit_chunk), at most _PRESPLIT_MAX_CHUNKS; beyond that (Qwen3-8B's k/v projections at r=384), the
+# split stays in registers. Measured on the H200 (results/h200_2026-12-01_s15/call2/norm_modes.json, whole norm,
+# kernels only): 4096x4096 0.195 -> 0.162 ms (2 chunks), 12288x4096 0.453 -> 0.346 ms, same error. Since every chunk
+# adds its partial sums into the same rows (session 17), the down projection (4096x12288) fits in 6 chunks of 2048:
+# 0.426 -> 0.395 ms with pointer loads, 0.377 on TMA (results/h200_2026-12-01_s17/call3/u_tma_norm.json).
 _PRESPLIT = True
 _PRESPLIT_CFG = (128, 128, 64, 8, 3, False)
 _PRESPLIT_MAX_CHUNKS = 6
@@ -659,7 +762,11 @@ def _u_split(rows: int, R: int, K: int, cfg: tuple, device: torch.device) -> int
     at 128x128), at most 8 ranges of at least 512 columns of W. From norm_modes.json's U split timings (partial U's +
     a sum there: 1024x4096 0.131 -> 0.038 ms with 8 ranges, 4096x12288 0.385 -> 0.241, 4096x4096 0.132 -> 0.100).
     Grids of at most half as many tiles as SMs get one wave (SMs // tiles ranges): 1024x4096 at r=384 (24 tiles), 5
-    ranges, measured 0.122 / 0.091 ms vs 0.134 / 0.102 ms with 8 (AMP; results/h200_2026-12-01_s16/call1 and call3)."""
+    ranges, measured 0.122 / 0.091 ms vs 0.134 / 0.102 ms with 8 (AMP; results/h200_2026-12-01_s16/call1 and call3).
+    Fewer, longer ranges measured faster for the 96-tile grids of one-chunk passes (bf16 4096x4096: 0.086 ms at 4
+    ranges vs 0.100 at 8, results/h200_2026-12-01_s17/call5/norm_usplit.json), but a rule that picked them
+    (session 17, call 6) took the fp32 ||W||^2 partial sums of 2048x8192 (r=64) over 2x eager's error: longer K
+    ranges are longer fp32 sums. Not changed."""
     if "U" in _SPLIT_OVERRIDE:
         return max(1, int(_SPLIT_OVERRIDE["U"]))
     tiles = _launch.cdiv(rows, cfg[0]) * _launch.cdiv(R, cfg[1])
@@ -688,7 +795,8 @@ def _b_parts(b: torch.Tensor) -> int:
 
 def _gram(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, base: Optional[torch.Tensor], upcast: bool,
           gram_of_a: bool = False, split: int = 1, b: Optional[torch.Tensor] = None, plan: Optional[tuple] = None,
-          g: Optional[torch.Tensor] = None, packed: bool = False) -> int:
+          g: Optional[torch.Tensor] = None, packed: bool = False, accum: bool = False,
+          quad_out: Optional[torch.Tensor] = None, gparts: Optional[torch.Tensor] = None) -> int:
     """out = x @ a^T (fp32), and base = rowsum(x^2) when given. ``split > 1``: ``out`` is ``[split, rows, R]``
     contiguous and receives the partial products of up to ``split`` equal K ranges (``base``: ``[split, rows]``).
     With ``b`` (the cross term): ``out`` is ``[split * n_r, rows]`` and receives ``rowsum(b * (x @ a^T))`` per K range
@@ -696,20 +804,25 @@ def _gram(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, base: Optional[to
     ranges used (K ranges are whole BLOCK_K multiples, so it can be smaller than ``split``). ``plan``: the caller's
     ``_gram_plan(x, a, gram_of_a)``, when it already derived it. With ``b`` and ``g`` (``G = A A^T``, fp32
     ``[R, R]``): ``out`` is ``[2 * split * n_r, rows]``, the quadratic term's partial sums ``rowsum(b * (b @ g))``
-    (rank chunks dealt out over the K ranges) in rows ``[used ranges * n_r, 2 * used ranges * n_r)``. ``packed``
-    (G = A A^T with ``_G_SYM``): ``out`` is ``[split, tiles * b * b]`` and receives the upper-triangle tiles whole, for
-    ``_g_sum_kernel``."""
+    (rank chunks dealt out over the K ranges) in rows ``[used ranges * n_r, 2 * used ranges * n_r)``, or in
+    ``quad_out``'s first rows when given. ``accum`` (cross term): add the cross term's (and base's) partial sums to
+    the values in those rows (a later K chunk of the pre-split U pass). ``packed`` (G = A A^T with ``_G_SYM``):
+    ``out`` is ``[split, tiles * b * b]`` and receives the upper-triangle tiles whole, for ``_g_sum_kernel``.
+    ``_MODE_PRESPLIT`` with the cross term runs on the tensor-memory accelerator (``_norm_u_tma_kernel``) where
+    :func:`_tma_ok` allows it; with ``g``, that kernel reads G's bf16 parts ``gparts`` (``[3, R, R]``)."""
     rows, K = x.shape
     mode, nparts, cfg = plan if plan is not None else _gram_plan(x, a, gram_of_a)
     if (a.dim() == 3) != (mode == _MODE_PRESPLIT):
         raise ValueError("fastdora: _gram takes A's parts [parts, R, K] exactly in _MODE_PRESPLIT (pass its plan)")
+    cross = b is not None
+    if mode == _MODE_PRESPLIT and cross and nparts == 3 and not cfg[5] and _tma_ok(x, a):
+        return _gram_tma(x, a, out, base, upcast, split, b, cfg, g, accum, quad_out, gparts)
     # _MODE_PRESPLIT: ``a`` holds A's parts, [parts, R, K]
     stride_ap, a = (a.stride(0), a[0]) if mode == _MODE_PRESPLIT else (0, a)
     R = a.shape[0]
     block_o, block_r, block_k, warps, stages, trans = cfg
     group, chain = _ACC_OVERRIDE.get(_config_key(mode, nparts, gram_of_a), _ACC_DEFAULT)
     k_split, split = _k_ranges(K, split, block_k)
-    cross = b is not None
     sym = gram_of_a and _G_SYM and not cross and block_o == block_r
     if packed and not sym:
         raise ValueError("fastdora: packed partial G's need _G_SYM and square G tiles")
@@ -718,38 +831,113 @@ def _gram(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, base: Optional[to
     quad = cross and g is not None
     stride_out = rows if cross else (out if out.dim() == 2 else out[0]).stride(0)
     bb = b if cross else out
+    q = _quad_rows(out, quad_out, split, _launch.cdiv(R, block_r)) if quad else out
     _GRAM(
         grid,
-        (x, a, out, base if base is not None else out, bb, g if quad else out),
+        (x, a, out, base if base is not None else out, bb, g if quad else out, q),
         (rows, R, K, k_split, x.stride(0), x.stride(1), a.stride(0), a.stride(1), stride_out,
          n_tiles * block_o * block_r if packed else rows * R,
          bb.stride(0), bb.stride(-1), stride_ap),
         (0.0,),
         (base is not None, mode, _fp32_prec(gram_of_a), upcast, bool(trans), block_o, block_r, block_k,
-         nparts, group, chain, cross, quad, _b_parts(bb), _QUAD_BLOCK, sym, packed),
+         accum and cross, nparts, group, chain, cross, quad, _b_parts(bb), _QUAD_BLOCK, sym, packed),
         warps,
         stages,
     )
     return split
 
 
-def _gram_matrix(A: torch.Tensor, G: torch.Tensor, sg: int, upcast: bool) -> None:
+def _quad_rows(out: torch.Tensor, quad_out: Optional[torch.Tensor], used: int, n_r: int) -> torch.Tensor:
+    """Where the U pass writes the quadratic term's partial sums: ``quad_out``, or ``out``'s rows after the cross
+    term's ``used * n_r``."""
+    return quad_out if quad_out is not None else out[used * n_r:]
+
+
+# Pre-split U pass on the tensor-memory accelerator (_norm_u_tma_kernel): measured on the H200
+# (results/h200_2026-12-01_s17/, calls 1-3, Qwen3-8B shapes at r=384, bitwise the same cross-term partial sums as the
+# pointer loads): U pass 4-7% faster at every shape and K split; whole AMP norm 4096x4096 0.161 -> 0.152 ms, 12288x4096
+# 0.345 -> 0.313 (with G's parts split once), warp specialisation and persistent grids no faster.
+_TMA = True
+# CPU tensors (Triton's interpreter) take the TMA kernel only when a test sets this
+_TMA_INTERPRET = False
+try:  # pragma: no cover - depends on the installed Triton
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+except Exception:  # pragma: no cover
+    _TensorDescriptor = None
+
+
+@functools.lru_cache(maxsize=None)
+def _tma_device(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _tma_2d(t: torch.Tensor) -> bool:
+    """A 2-D view TMA can load: unit stride along the last dim, 16-byte aligned base and row stride."""
+    es = t.element_size()
+    return t.stride(1) == 1 and (t.stride(0) * es) % 16 == 0 and t.data_ptr() % 16 == 0 and t.shape[1] * es >= 16
+
+
+def _tma_enabled(x: torch.Tensor) -> bool:
+    """TMA loads for tensors on ``x``'s device: a Hopper or newer GPU (CPU: the interpreter, when tests ask)."""
+    if not _TMA or _TensorDescriptor is None:
+        return False
+    return _tma_device(x.device) if x.is_cuda else _TMA_INTERPRET
+
+
+def _tma_ok(x: torch.Tensor, parts: torch.Tensor) -> bool:
+    """The pre-split U pass of ``x`` ([rows, K] bf16) and A's parts ([3, R, K], contiguous) can run on TMA."""
+    return _tma_enabled(x) and parts.is_contiguous() and _tma_2d(x) and _tma_2d(parts.reshape(-1, parts.shape[-1]))
+
+
+def _gram_tma(x, parts, out, base, upcast, split, b, cfg, g, accum, quad_out, gparts) -> int:
+    """``_gram``'s pre-split cross-term pass on ``_norm_u_tma_kernel`` (same arguments and outputs)."""
+    rows, K = x.shape
+    R = parts.shape[1]
+    block_o, block_r, block_k, warps, stages, _ = cfg
+    k_split, split = _k_ranges(K, split, block_k)
+    n_r = _launch.cdiv(R, block_r)
+    quad = g is not None
+    if quad and gparts is None:
+        gparts = _split_parts(g, 3)
+    descs = (_TensorDescriptor.from_tensor(x, [block_o, block_k]),
+             _TensorDescriptor.from_tensor(parts.reshape(-1, K), [block_r, block_k]))
+    _U_TMA(
+        (_launch.cdiv(rows, block_o) * n_r, split),
+        (out, base if base is not None else out, b, gparts if quad else out,
+         _quad_rows(out, quad_out, split, n_r) if quad else out),
+        (rows, R, k_split, K, b.stride(0), b.stride(1), gparts.stride(0) if quad else 0),
+        (0.0,),
+        (base is not None, upcast, block_o, block_r, block_k, accum, quad, _b_parts(b), _QUAD_BLOCK),
+        warps,
+        stages,
+        descs=descs,
+    )
+    return split
+
+
+def _gram_matrix(A: torch.Tensor, G: torch.Tensor, sg: int, upcast: bool,
+                 gparts: Optional[torch.Tensor] = None) -> None:
     """G = A A^T (fp32 ``[r, r]``) over ``sg`` K ranges: partial G's (at most U's size), summed in a fixed order
-    (deterministic); as packed upper-triangle tiles (``_g_packed``) summed and unpacked by ``_g_sum_kernel``."""
+    (deterministic); as packed upper-triangle tiles (``_g_packed``) summed and unpacked by ``_g_sum_kernel``.
+    ``gparts`` (contiguous ``[3, r, r]`` bf16): also receives G's bf16 parts hi, mid, lo."""
     r = A.shape[0]
-    if sg <= 1:
+    if sg > 1:
+        b, b_r = _gram_plan(A, A, True)[2][:2]
+        if b == b_r and _g_packed(r, b):
+            tiles = _g_tiles(_launch.cdiv(r, b))
+            parts = torch.empty((sg, tiles * b * b), dtype=torch.float32, device=A.device)
+            sg = _gram(A, A, parts, None, upcast, gram_of_a=True, split=sg, packed=True)
+            with_parts = gparts is not None
+            _G_SUM((tiles,), (parts, G, gparts if with_parts else G),
+                   (r, sg, parts.stride(0), gparts.stride(0) if with_parts else 0), (), (b, with_parts), 4)
+            return
+        parts = torch.empty((sg, r, r), dtype=torch.float32, device=A.device)
+        sg = _gram(A, A, parts, None, upcast, gram_of_a=True, split=sg)
+        torch.sum(parts[:sg], dim=0, out=G)
+    else:
         _gram(A, A, G, None, upcast, gram_of_a=True)
-        return
-    b, b_r = _gram_plan(A, A, True)[2][:2]
-    if b == b_r and _g_packed(r, b):
-        tiles = _g_tiles(_launch.cdiv(r, b))
-        parts = torch.empty((sg, tiles * b * b), dtype=torch.float32, device=A.device)
-        sg = _gram(A, A, parts, None, upcast, gram_of_a=True, split=sg, packed=True)
-        _G_SUM((tiles,), (parts, G), (r, sg, parts.stride(0)), (), (b,), 4)
-        return
-    parts = torch.empty((sg, r, r), dtype=torch.float32, device=A.device)
-    sg = _gram(A, A, parts, None, upcast, gram_of_a=True, split=sg)
-    torch.sum(parts[:sg], dim=0, out=G)
+    if gparts is not None:
+        _split_parts(G, 3, gparts)
 
 
 def _split_parts(A: torch.Tensor, nparts: int, parts: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -765,19 +953,20 @@ def _split_parts(A: torch.Tensor, nparts: int, parts: Optional[torch.Tensor] = N
 
 def _presplit_chunk(d_out: int, d_in: int, r: int, cfg: tuple, device: torch.device) -> int:
     """Columns of W per U launch in _MODE_PRESPLIT (a multiple of 512; ``d_in`` itself when everything fits): the
-    parts buffer ``[3, r, chunk]`` bf16, the U pass's partial sums of all chunks, G, the results and the base
-    row norms stay within ``_WORKSET_PLAN`` x the bytes of fp32 U and G (``_WORKSET_LIMIT`` less the allocator's
-    slack). 0: more than ``_PRESPLIT_MAX_CHUNKS`` chunks would be needed (split A in registers instead)."""
+    parts buffer ``[3, r, chunk]`` bf16, the U pass's partial sums (every chunk adds into the first chunk's rows), G
+    and its bf16 parts, the results and the base row norms stay within ``_WORKSET_PLAN`` x the bytes of fp32 U and G
+    (``_WORKSET_LIMIT`` less the allocator's slack). 0: more than ``_PRESPLIT_MAX_CHUNKS`` chunks would be needed
+    (split A in registers instead)."""
     limit = _WORKSET_PLAN * 4 * (d_out * r + r * r)
     n_r = _launch.cdiv(r, cfg[1])
     for n in range(1, _PRESPLIT_MAX_CHUNKS + 1):
         kc = d_in if n == 1 else _launch.cdiv(_launch.cdiv(d_in, n), 512) * 512
         if n > 1 and _launch.cdiv(d_in, kc) < n:
             continue
-        su = _k_ranges(kc, _u_split(d_out, r, kc, cfg, device), cfg[2])[1]  # the most any chunk uses
-        nch = _launch.cdiv(d_in, kc)
-        partial_rows = (nch + 1) * su * n_r + nch * su  # cross and quad partial sums, base partial sums
-        total = 6 * r * kc + 4 * d_out * partial_rows + 4 * r * r + 12 * d_out  # parts buffer (3 parts), G, results
+        su = _k_ranges(kc, _u_split(d_out, r, kc, cfg, device), cfg[2])[1]  # the first (largest) chunk's ranges
+        partial_rows = 2 * su * n_r + su  # cross and quad partial sums, base partial sums
+        # parts buffer (3 parts), partial sums, G and its parts, results
+        total = 6 * r * kc + 4 * d_out * partial_rows + 10 * r * r + 12 * d_out
         if total <= limit:
             return kc
     return 0
@@ -808,7 +997,6 @@ def factored_norm_triton(
         G = torch.empty((r, r), dtype=f32, device=dev)
         norm = torch.empty(d_out, dtype=f32, device=dev)
         need_base = base_sq is None
-        _gram_matrix(A, G, _g_split(r, d_in, d_out * r, dev), upcast)
         plan = _gram_plan(W, A, False)
         mode, nparts, cfg = plan
         kc = d_in
@@ -818,20 +1006,24 @@ def factored_norm_triton(
                 mode, kc = _MODE_SPLIT, d_in
                 plan = (mode, nparts, _gram_config(d_out, r, dev, mode, False, nparts))
                 cfg = plan[2]
-        n_r = _launch.cdiv(r, cfg[1])
         quad_in_u = _QUAD_IN_U
-        # the U pass in K chunks of kc columns (one chunk except with the parts split per chunk); each chunk's K
-        # range split over su programs; its cross-term partial sums in consecutive rows of cpart, the last chunk's
-        # quadratic-term partial sums right after all of them
-        chunks = []
-        for k0 in range(0, d_in, kc):
-            k1 = min(d_in, k0 + kc)
-            chunks.append((k0, k1, _k_ranges(k1 - k0, _u_split(d_out, r, k1 - k0, cfg, dev), cfg[2])[1]))
-        n_cross = sum(c[2] for c in chunks) * n_r
-        n_quad = chunks[-1][2] * n_r if quad_in_u else 0
-        cpart = torch.empty((n_cross + n_quad, d_out), dtype=f32, device=dev)
+        # G's bf16 parts for the quadratic term of the pre-split U pass on TMA (split once, by _g_sum_kernel)
+        gparts = None
+        k_last = d_in - (d_in - 1) // kc * kc  # the last chunk's columns (its parts: rows of 2 k_last bytes)
+        if (mode == _MODE_PRESPLIT and quad_in_u and not cfg[5] and _tma_enabled(W)
+                and _tma_2d(W[:, d_in - k_last:]) and (2 * k_last) % 16 == 0):
+            gparts = torch.empty((3, r, r), dtype=torch.bfloat16, device=dev)
+        _gram_matrix(A, G, _g_split(r, d_in, d_out * r, dev), upcast, gparts)
+        n_r = _launch.cdiv(r, cfg[1])
+        # the U pass in K chunks of kc columns (one chunk except with the parts split per chunk), each chunk's K range
+        # split into up to su ranges (the first chunk's: a shorter last chunk may use fewer); every chunk adds its
+        # cross-term (and base) partial sums into the first chunk's rows of cpart (accumulated in chunk order), the
+        # last chunk writes the quadratic term's partial sums after them
+        su = _k_ranges(kc, _u_split(d_out, r, kc, cfg, dev), cfg[2])[1]
+        n_cross = su * n_r
+        cpart = torch.empty((2 * n_cross if quad_in_u else n_cross, d_out), dtype=f32, device=dev)
         if need_base:
-            n_base = sum(c[2] for c in chunks)
+            n_base = su
             bpart = torch.empty((n_base, d_out), dtype=f32, device=dev)
             base = torch.empty(d_out, dtype=f32, device=dev)
         else:
@@ -840,19 +1032,22 @@ def factored_norm_triton(
             bpart = base
         s = float(scale)
         pbuf = torch.empty(3 * r * kc, dtype=torch.bfloat16, device=dev) if mode == _MODE_PRESPLIT else None
-        row = brow = 0
-        for i, (k0, k1, su) in enumerate(chunks):
-            last = i == len(chunks) - 1
+        n_quad = 0
+        for k0 in range(0, d_in, kc):
+            k1 = min(d_in, k0 + kc)
+            last = k1 == d_in
             a_u, x = A, W
-            if len(chunks) > 1:
+            if kc < d_in:
                 a_u, x = A[:, k0:k1], W[:, k0:k1]
             if pbuf is not None:
                 a_u = _split_parts(a_u, nparts, pbuf[: 3 * r * (k1 - k0)].view(3, r, k1 - k0))
-            used = _gram(x, a_u, cpart[row:], bpart[brow:] if need_base else None, upcast, split=su, b=B, plan=plan,
-                         g=G if (quad_in_u and last) else None)
-            assert used == su
-            row += su * n_r
-            brow += su
+            quad = quad_in_u and last
+            used = _gram(x, a_u, cpart, bpart if need_base else None, upcast, split=su, b=B, plan=plan,
+                         g=G if quad else None, accum=k0 > 0, quad_out=cpart[n_cross:] if quad else None,
+                         gparts=gparts)
+            assert used == su or k0 > 0
+            if quad:
+                n_quad = used * n_r
         del pbuf
         block_r = min(64, max(16, _next_pow2(r)))
         block_o = 64 if d_out >= 64 * _num_sms(dev) else 32
