@@ -886,7 +886,13 @@ def _tma_enabled(x: torch.Tensor) -> bool:
 
 def _tma_ok(x: torch.Tensor, parts: torch.Tensor) -> bool:
     """The pre-split U pass of ``x`` ([rows, K] bf16) and A's parts ([3, R, K], contiguous) can run on TMA."""
-    return _tma_enabled(x) and parts.is_contiguous() and _tma_2d(x) and _tma_2d(parts.reshape(-1, parts.shape[-1]))
+    return parts.is_contiguous() and parts.data_ptr() % 16 == 0 and _tma_cols_ok(x, parts.shape[-1])
+
+
+def _tma_cols_ok(x: torch.Tensor, k_cols: int) -> bool:
+    """``x`` and a contiguous, 16-byte aligned bf16 parts buffer of ``k_cols`` columns (rows of ``2 k_cols`` bytes)
+    can be loaded by TMA."""
+    return _tma_enabled(x) and _tma_2d(x) and (2 * k_cols) % 16 == 0
 
 
 def _gram_tma(x, parts, out, base, upcast, split, b, cfg, g, accum, quad_out, gparts) -> int:
@@ -1009,9 +1015,8 @@ def factored_norm_triton(
         quad_in_u = _QUAD_IN_U
         # G's bf16 parts for the quadratic term of the pre-split U pass on TMA (split once, by _g_sum_kernel)
         gparts = None
-        k_last = d_in - (d_in - 1) // kc * kc  # the last chunk's columns (its parts: rows of 2 k_last bytes)
-        if (mode == _MODE_PRESPLIT and quad_in_u and not cfg[5] and _tma_enabled(W)
-                and _tma_2d(W[:, d_in - k_last:]) and (2 * k_last) % 16 == 0):
+        k_last = d_in - (d_in - 1) // kc * kc  # the last chunk's columns: the chunk with the quadratic term
+        if mode == _MODE_PRESPLIT and quad_in_u and not cfg[5] and _tma_cols_ok(W[:, d_in - k_last:], k_last):
             gparts = torch.empty((3, r, r), dtype=torch.bfloat16, device=dev)
         _gram_matrix(A, G, _g_split(r, d_in, d_out * r, dev), upcast, gparts)
         n_r = _launch.cdiv(r, cfg[1])
