@@ -775,6 +775,12 @@ def _u_split(rows: int, R: int, K: int, cfg: tuple, device: torch.device) -> int
     return max(1, min(8, want, K // 512))
 
 
+def _u_ranges(rows: int, R: int, kc: int, cfg: tuple, device: torch.device) -> int:
+    """K ranges of the U pass over chunks of ``kc`` columns: the first (largest) chunk's, which every chunk's launch
+    is given (a shorter last chunk may use fewer); the chunk plan (_presplit_chunk) sizes the partial sums by it."""
+    return _k_ranges(kc, _u_split(rows, R, kc, cfg, device), cfg[2])[1]
+
+
 def _gram_plan(x: torch.Tensor, a: torch.Tensor, gram_of_a: bool) -> tuple:
     """``(mode, nparts, config)`` of ``x @ a^T``: the product mode (``_mode_of``) and its tile configuration
     (``_gram_config``), derived once per pass."""
@@ -969,7 +975,7 @@ def _presplit_chunk(d_out: int, d_in: int, r: int, cfg: tuple, device: torch.dev
         kc = d_in if n == 1 else _launch.cdiv(_launch.cdiv(d_in, n), 512) * 512
         if n > 1 and _launch.cdiv(d_in, kc) < n:
             continue
-        su = _k_ranges(kc, _u_split(d_out, r, kc, cfg, device), cfg[2])[1]  # the first (largest) chunk's ranges
+        su = _u_ranges(d_out, r, kc, cfg, device)
         partial_rows = 2 * su * n_r + su  # cross and quad partial sums, base partial sums
         # parts buffer (3 parts), partial sums, G and its parts, results
         total = 6 * r * kc + 4 * d_out * partial_rows + 10 * r * r + 12 * d_out
@@ -1024,7 +1030,7 @@ def factored_norm_triton(
         # split into up to su ranges (the first chunk's: a shorter last chunk may use fewer); every chunk adds its
         # cross-term (and base) partial sums into the first chunk's rows of cpart (accumulated in chunk order), the
         # last chunk writes the quadratic term's partial sums after them
-        su = _k_ranges(kc, _u_split(d_out, r, kc, cfg, dev), cfg[2])[1]
+        su = _u_ranges(d_out, r, kc, cfg, dev)
         n_cross = su * n_r
         cpart = torch.empty((2 * n_cross if quad_in_u else n_cross, d_out), dtype=f32, device=dev)
         if need_base:
