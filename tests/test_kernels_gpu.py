@@ -476,3 +476,83 @@ def test_bwd_eviction_policy_changes_nothing(monkeypatch, delta):
         outs[policy] = kc.TRITON.compose_bwd(*args)
     for a, b in zip(outs[""], outs["evict_first"]):
         assert (a is None and b is None) or torch.equal(a, b)
+
+
+def _reduction_refs(args, t):
+    n = args[0].shape[-1]
+    dy, inner = args[0].reshape(-1, n).double(), args[5].reshape(-1, n).double()
+    return {"dm": (dy * inner).sum(0) / t["norm"].double(),
+            "d_bias": (1 - t["magnitude"].double() / t["norm"].double()) * dy.sum(0)}
+
+
+@pytest.mark.parametrize("shape", [(8192, 4096), (4096, 12288), (16384, 1024), (3, 11, 1000), (5, 33)], ids=str)
+def test_fused_second_stage_gpu(monkeypatch, shape):
+    # the backward's second stage in its last program per column block (the default) vs as its own kernel: same
+    # gradients within fp32 summation noise, bitwise repeatable, counters back at zero, fp64 reference
+    args, t = _bwd_args(shape, False, seed=21)
+    refs = _reduction_refs(args, t)
+    fused = [kc.TRITON.compose_bwd(*args) for _ in range(4)]
+    torch.cuda.synchronize()
+    for c in kc._COUNTERS.values():
+        assert not c.any(), "counters not reset"
+    monkeypatch.setattr(kc, "_FUSE_REDUCE", False)
+    split = kc.TRITON.compose_bwd(*args)
+    for i, name in ((3, "dm"), (4, "d_bias")):
+        for f in fused[1:]:
+            assert torch.equal(fused[0][i], f[i]), f"{name}: not bitwise repeatable"
+        assert _rel(fused[0][i], refs[name]) < 1e-5, name
+        assert _rel(fused[0][i], split[i]) < 1e-6, name
+    for i in (0, 1):
+        assert torch.equal(fused[0][i], split[i])
+
+
+def test_fused_second_stage_concurrent_streams():
+    # launches on two streams at once use separate counters; every result equals the single-stream one
+    cases = [_bwd_args((4096 + 512 * k, 4096), False, seed=30 + k) for k in range(2)]
+    want = [kc.TRITON.compose_bwd(*a) for a, _ in cases]
+    streams = [torch.cuda.Stream() for _ in cases]
+    torch.cuda.synchronize()
+    got = [[] for _ in cases]
+    for _ in range(20):
+        for k, (a, _) in enumerate(cases):
+            with torch.cuda.stream(streams[k]):
+                got[k].append(kc.TRITON.compose_bwd(*a))
+    torch.cuda.synchronize()
+    keys = {(torch.cuda.current_device(), s.cuda_stream) for s in streams}
+    assert keys <= set(kc._COUNTERS), "no counters of their own for the side streams"
+    for k in range(len(cases)):
+        for g in got[k]:
+            assert torch.equal(g[3], want[k][3]) and torch.equal(g[4], want[k][4])
+
+
+def test_fused_second_stage_cuda_graph():
+    # captured in a CUDA graph, the backward takes the two-kernel reduction (no counters created or used while
+    # capturing); replays give the eager launch's gradients
+    args, t = _bwd_args((2048, 4096), False, seed=41)
+    want = kc.TRITON.compose_bwd(*args)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up on the capture stream: its counters exist before capture
+        kc.TRITON.compose_bwd(*args)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    before = {k: v.clone() for k, v in kc._COUNTERS.items()}
+    graph = torch.cuda.CUDAGraph()
+    calls = []
+    real_red = kc._RED
+    kc._RED = lambda *a, **k: (calls.append(1), real_red(*a, **k))
+    try:
+        with torch.cuda.graph(graph, stream=s):
+            out = kc.TRITON.compose_bwd(*args)
+    finally:
+        kc._RED = real_red
+    assert calls == [1]
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    for i in (0, 1):
+        assert torch.equal(out[i], want[i])
+    for i in (3, 4):  # the two-kernel sum: another (fixed) order
+        assert _rel(out[i], want[i]) < 1e-6
+    for k, v in before.items():
+        assert torch.equal(kc._COUNTERS[k], v)

@@ -250,6 +250,47 @@ else:
         _close_reduction(g1[3], ge[3], "dm")
         _close_reduction(g1[4], ge[4], "d_bias")
 
+    @pytest.mark.parametrize("need", [(True, True), (True, False), (False, True), (False, False)],
+                             ids=["dm_db", "dm", "db", "none"])
+    def test_fused_second_stage(monkeypatch, need):
+        # the partial sums' second stage in the backward kernel's last program per column block (one launch) vs as a
+        # kernel of its own: same magnitude and bias gradients (vs eager too), counters back at zero, no second launch;
+        # 35 row blocks x 3 column blocks: the last program sums two BLOCK_P=32 chunks of partial rows
+        need_dm, need_db = need
+        monkeypatch.setitem(kc._CONFIG_OVERRIDE, "bwd", (2, 16, 1, 1, False))
+        t = _inputs((70, 37), torch.bfloat16, torch.bfloat16, False, True, seed=11)
+        _, ik = kc.TRITON.compose_fwd(t["result"], t["lora"], t["magnitude"], t["norm"], SCALE, 1e-6, t["bias"],
+                                      None, torch.bfloat16, True)
+        dy = torch.randn(70, 37, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+        bargs = (dy, t["magnitude"], t["norm"], SCALE, 1e-6, ik, False, torch.bfloat16, torch.bfloat16, None, need_dm,
+                 need_db)
+        launches = []
+        real_red = kc._RED
+        monkeypatch.setattr(kc, "_RED", lambda *a, **k: (launches.append(a), real_red(*a, **k)))
+        monkeypatch.setattr(kc, "_COUNTERS", {})
+        fused = [kc.TRITON.compose_bwd(*bargs) for _ in range(2)]
+        assert launches == []
+        counters = list(kc._COUNTERS.values())
+        assert len(counters) == (1 if (need_dm or need_db) else 0)
+        for c in counters:
+            assert c.dtype == torch.int32 and c.numel() >= 3 and not c.any(), "counters not reset"
+        monkeypatch.setattr(kc, "_FUSE_REDUCE", False)
+        split = kc.TRITON.compose_bwd(*bargs)
+        assert len(launches) == (1 if (need_dm or need_db) else 0)
+        # fp64 reference (the eager path's bf16 products are not exact; the kernel's fp32 products of bf16 are)
+        nrm64 = t["norm"].double().clamp_min(1e-6)
+        ref = {3: (dy.double() * ik.double()).sum(0) / nrm64,
+               4: (1 - t["magnitude"].double() / nrm64) * dy.double().sum(0)}
+        for i, what in ((3, "dm"), (4, "d_bias")):
+            if not need[i - 3]:
+                assert fused[0][i] is None and split[i] is None
+                continue
+            assert torch.equal(fused[0][i], fused[1][i]), f"{what}: fused not deterministic"
+            _close_reduction(fused[0][i], split[i], f"{what} fused vs two kernels")
+            _close_reduction(fused[0][i], ref[i], f"{what} fused vs fp64")
+        for i in (0, 1):
+            assert torch.equal(fused[0][i], split[i])
+
     def test_fp64_and_empty_go_through():
         t = _inputs((5, 7), torch.float64, torch.float64, False, True)
         y, inner = kc.TRITON.compose_fwd(t["result"], t["lora"], t["magnitude"].double(), t["norm"].double(), SCALE,

@@ -28,7 +28,7 @@ try:  # pragma: no cover - exercised wherever triton is installed
 except Exception:  # pragma: no cover
     JITFunction = None
 
-__all__ = ["Launcher", "FAST_LAUNCH", "device_ctx", "cdiv"]
+__all__ = ["Launcher", "FAST_LAUNCH", "device_ctx", "cdiv", "current_stream"]
 
 _NULL = contextlib.nullcontext()
 
@@ -48,6 +48,17 @@ def device_ctx(t: torch.Tensor):
     if t.is_cuda and t.get_device() != _current_device():
         return torch.cuda.device(t.device)
     return _NULL
+
+
+_raw_stream_of = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def current_stream(t: torch.Tensor) -> tuple:
+    """``(device index, raw stream)`` of CUDA tensor ``t``'s device's current stream (a cheap identity of it)."""
+    idx = t.get_device()
+    if _raw_stream_of is None:  # pragma: no cover - CUDA builds have the binding
+        return idx, torch.cuda.current_stream(idx).cuda_stream
+    return idx, _raw_stream_of(idx)
 
 
 def _fast_launch_supported() -> bool:
@@ -98,10 +109,10 @@ def _desc_key(d) -> tuple:
 
 
 class Launcher:
-    """``Launcher(jit_fn)(grid, tensors, ints, floats, consts, num_warps[, num_stages][, descs=...])`` for a kernel
-    whose parameters are, in order, TMA tensor descriptors (``descs``: Triton's host-side ``TensorDescriptor``s,
-    passed as they are), pointer arguments, int arguments, float arguments, constexprs (``consts``, in declaration
-    order)."""
+    """``Launcher(jit_fn)(grid, tensors, ints, floats, consts, num_warps[, num_stages][, descs=...][, maxnreg=...])``
+    for a kernel whose parameters are, in order, TMA tensor descriptors (``descs``: Triton's host-side
+    ``TensorDescriptor``s, passed as they are), pointer arguments, int arguments, float arguments, constexprs
+    (``consts``, in declaration order); ``maxnreg``: Triton's register cap per thread (None: the compiler's choice)."""
 
     __slots__ = ("fn", "cache", "fast")
 
@@ -111,11 +122,11 @@ class Launcher:
         self.fast = FAST_LAUNCH and isinstance(fn, JITFunction)
 
     def __call__(self, grid, tensors: tuple, ints: tuple, floats: tuple, consts: tuple, num_warps: int,
-                 num_stages: Optional[int] = None, descs: tuple = ()):
+                 num_stages: Optional[int] = None, descs: tuple = (), maxnreg: Optional[int] = None):
         if len(grid) < 3:
             grid = tuple(grid) + (1,) * (3 - len(grid))
         if not self.fast:
-            self._jit(grid, tensors, ints, floats, consts, num_warps, num_stages, descs)
+            self._jit(grid, tensors, ints, floats, consts, num_warps, num_stages, descs, maxnreg)
             return
         ptrs = list(map(_data_ptr, tensors))
         key = (
@@ -128,12 +139,13 @@ class Launcher:
             consts,
             num_warps,
             num_stages,
+            maxnreg,
             tensors[0].get_device(),
             tuple(map(_desc_key, descs)) if descs else None,
         )
         entry = self.cache.get(key)
         if entry is None:
-            compiled = self._jit(grid, tensors, ints, floats, consts, num_warps, num_stages, descs)
+            compiled = self._jit(grid, tensors, ints, floats, consts, num_warps, num_stages, descs, maxnreg)
             if compiled is not None:  # launched and compiled; later calls go straight to it
                 self.cache[key] = (compiled, compiled.function, compiled.packed_metadata)
             return
@@ -154,6 +166,10 @@ class Launcher:
         compiled.run(grid[0], grid[1], grid[2], stream, function, packed, compiled.launch_metadata(grid, stream, *args),
                      enter, exit_, *args)
 
-    def _jit(self, grid, tensors, ints, floats, consts, num_warps, num_stages, descs=()):
-        opts = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
+    def _jit(self, grid, tensors, ints, floats, consts, num_warps, num_stages, descs=(), maxnreg=None):
+        opts = {"num_warps": num_warps}
+        if num_stages is not None:
+            opts["num_stages"] = num_stages
+        if maxnreg is not None:
+            opts["maxnreg"] = maxnreg
         return self.fn[grid](*descs, *tensors, *ints, *floats, *consts, **opts)

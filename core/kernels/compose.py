@@ -12,8 +12,10 @@ module's docstring. Design:
   ``magnitude_scale`` (PyTorch's CUDA division is correctly rounded too).
 - Backward: one pass reading ``dy`` (and ``inner``), writing ``d_result``, ``d_lora`` (``d_base_delta``) and a
   per-row-block fp32 partial of ``sum_tokens(dy * inner)`` (and ``sum_tokens(dy)`` for the bias) into a
-  ``[n_row_blocks, N]`` buffer; a second small kernel sums the partials in a fixed order (no atomics: bitwise
-  deterministic for a given shape and GPU) and applies ``1 / max(norm, eps)``.
+  ``[n_row_blocks, N]`` buffer; the last program of each column block to finish (an int32 counter per column block,
+  kept per stream and reset by that program) sums the partials in a fixed order (no atomics on the values: bitwise
+  deterministic for a given shape and GPU) and applies ``1 / max(norm, eps)``: one launch per backward. While a CUDA
+  graph is being captured a second small kernel does that sum instead.
 - Block sizes are picked from the shape (no autotuning: the row split of the reduction must not depend on timing
   runs, and there is no warm-up cost); the benchmark ``benchmarks/kernels_bench.py`` sweeps the alternatives.
 - fp64 inputs and layouts the kernels do not cover (broadcast operands, feature dim not last) take the exact eager
@@ -145,16 +147,19 @@ if AVAILABLE:
     @triton.jit
     def _dora_bwd_kernel(
         dy_ptr, inner_ptr, mag_ptr, norm_ptr,
-        dres_ptr, dlora_ptr, dbd_ptr, part_dm_ptr, part_db_ptr,
+        dres_ptr, dlora_ptr, dbd_ptr, part_dm_ptr, part_db_ptr, dm_ptr, db_ptr, count_ptr,
         M, N, rows_per_prog,
         stride_dy, stride_inner, stride_dres, stride_dlora, stride_dbd,
         scale, eps,
         DELTA: tl.constexpr, WRITE_DRES: tl.constexpr, WRITE_DLORA: tl.constexpr,
         NEED_DM: tl.constexpr, NEED_DB: tl.constexpr, SOFT_BF16: tl.constexpr, PREFETCH: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVICT: tl.constexpr,
+        FUSE_RED: tl.constexpr, BLOCK_P: tl.constexpr,
     ):
         # program (pid_m, pid_n): rows [pid_m * rows_per_prog, +rows_per_prog) x one BLOCK_N column block, in
-        # BLOCK_M-row tiles; writes the gradients and one fp32 partial row of the magnitude (and bias) reduction
+        # BLOCK_M-row tiles; writes the gradients and one fp32 partial row of the magnitude (and bias) reduction.
+        # FUSE_RED: the column block's last program to finish (counted in count_ptr[pid_n]) also sums the partial
+        # rows (the second stage, without a second launch)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -217,18 +222,27 @@ if AVAILABLE:
             tl.store(part_dm_ptr + out, tl.sum(acc_dm, axis=0), mask=cmask)
         if NEED_DB:
             tl.store(part_db_ptr + out, tl.sum(acc_db, axis=0), mask=cmask)
+        if FUSE_RED:
+            n_parts = tl.num_programs(0)
+            # every thread's partial stores precede the count (barrier, then a release of the counter at GPU scope);
+            # the program that counts last acquires them all, so it sees every partial row
+            tl.debug_barrier()
+            done = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if done == n_parts - 1:
+                _reduce_cols(part_dm_ptr, part_db_ptr, mag_ptr, norm_ptr, dm_ptr, db_ptr, cols, cmask, n_parts, N, eps,
+                             NEED_DM, NEED_DB, SOFT_BF16, BLOCK_P, BLOCK_N, ".cg")
+                # back to zero for the next launch on this stream (launches on one stream run one after another)
+                tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
-    def _dora_reduce_kernel(
-        part_dm_ptr, part_db_ptr, mag_ptr, norm_ptr, dm_ptr, db_ptr,
-        n_parts, N, eps,
+    def _reduce_cols(
+        part_dm_ptr, part_db_ptr, mag_ptr, norm_ptr, dm_ptr, db_ptr, cols, cmask, n_parts, N, eps,
         NEED_DM: tl.constexpr, NEED_DB: tl.constexpr, SOFT_BF16: tl.constexpr,
-        BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, CACHE: tl.constexpr,
     ):
-        # second stage: sum the [n_parts, N] partials over parts in a fixed order (deterministic, no atomics);
-        # BLOCK_P partial rows per load keep many loads in flight
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        cmask = cols < N
+        # second stage: sum the [n_parts, N] partials of columns ``cols`` over parts in a fixed order (deterministic,
+        # no atomics on the values); BLOCK_P partial rows per load keep many loads in flight. CACHE: the partials'
+        # load cache modifier (".cg": from L2, for partials other programs of the same launch wrote)
         acc_dm = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
         acc_db = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
         for p0 in range(0, n_parts, BLOCK_P):
@@ -236,9 +250,9 @@ if AVAILABLE:
             m = (prow < n_parts)[:, None] & cmask[None, :]
             off = prow.to(tl.int64)[:, None] * N + cols[None, :]
             if NEED_DM:
-                acc_dm += tl.load(part_dm_ptr + off, mask=m, other=0.0)
+                acc_dm += tl.load(part_dm_ptr + off, mask=m, other=0.0, cache_modifier=CACHE)
             if NEED_DB:
-                acc_db += tl.load(part_db_ptr + off, mask=m, other=0.0)
+                acc_db += tl.load(part_db_ptr + off, mask=m, other=0.0, cache_modifier=CACHE)
         if NEED_DM:
             n = tl.load(norm_ptr + cols, mask=cmask, other=1.0).to(tl.float32)
             inv = tl.math.div_rn(1.0, tl.maximum(n, eps, propagate_nan=tl.PropagateNan.ALL))
@@ -247,6 +261,17 @@ if AVAILABLE:
             g = _scale_g(mag_ptr, norm_ptr, cols, cmask, eps)
             tl.store(db_ptr + cols, (1.0 - g) * tl.sum(acc_db, axis=0), mask=cmask)
 
+    @triton.jit
+    def _dora_reduce_kernel(
+        part_dm_ptr, part_db_ptr, mag_ptr, norm_ptr, dm_ptr, db_ptr,
+        n_parts, N, eps,
+        NEED_DM: tl.constexpr, NEED_DB: tl.constexpr, SOFT_BF16: tl.constexpr,
+        BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        # the second stage as a kernel of its own (where the backward cannot count its programs: see _counters)
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        _reduce_cols(part_dm_ptr, part_db_ptr, mag_ptr, norm_ptr, dm_ptr, db_ptr, cols, cols < N, n_parts, N, eps,
+                     NEED_DM, NEED_DB, SOFT_BF16, BLOCK_P, BLOCK_N, "")
 
     _FWD = _launch.Launcher(_dora_fwd_kernel)
     _BWD = _launch.Launcher(_dora_bwd_kernel)
@@ -368,6 +393,34 @@ def _kernel_ok(*tensors: Optional[torch.Tensor]) -> bool:
     return True
 
 
+# the backward's second stage (sum of the per-row-block partials) runs in the backward kernel itself, in the last
+# program of each column block (one launch per layer backward instead of two); False: a second kernel (_RED)
+_FUSE_REDUCE = True
+# register cap of the fused backward kernel: its count-and-sum epilogue made ptxas use 155 registers per thread instead
+# of the two-kernel version's 128, halving the programs per SM (8 warps); GPU time +6-7% at 4096x12288 and 8192x4096
+# (benchmarks/fused_reduce_probe.py, session 18). None: the compiler's choice
+_BWD_MAXNREG = 128
+_COUNTERS: dict = {}  # (device index, stream) -> int32 program counters, all zero between launches
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+
+
+def _counters(t: torch.Tensor, n: int) -> Optional[torch.Tensor]:
+    """Zeroed int32 counters (at least ``n``) for the fused second stage of a backward launched on ``t``'s device
+    and current stream; each launch leaves them at zero (its last program per column block resets its counter), and
+    launches on one stream run one after another, so one set per stream serves every launch. None while a CUDA graph
+    is being captured (a graph replayed later may run beside eager launches): the two-kernel reduction then."""
+    if t.is_cuda:
+        if _capturing is not None and _capturing():
+            return None
+        key = _launch.current_stream(t)
+    else:
+        key = (-1, 0)
+    c = _COUNTERS.get(key)
+    if c is None or c.numel() < n:
+        c = _COUNTERS[key] = torch.zeros(max(n, 256), dtype=torch.int32, device=t.device)
+    return c
+
+
 def compose_fwd(result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, save_inner, feature_dim=-1):
     """Triton forward; same contract as ``compose_fwd_eager``."""
     N = result.shape[-1] if result.dim() else 1
@@ -465,25 +518,32 @@ def compose_bwd(
     n_parts = _cdiv(M, rows_per_prog)
     part_dm = torch.empty((n_parts, N), dtype=torch.float32, device=dev) if need_dm else mag
     part_db = torch.empty((n_parts, N), dtype=torch.float32, device=dev) if need_dbias else mag
-    grid = (n_parts, _cdiv(N, block_n))
+    n_col = _cdiv(N, block_n)
+    grid = (n_parts, n_col)
     soft = not dy.is_cuda
+    reduce = need_dm or need_dbias
+    rp = min(32, _next_pow2(n_parts))  # partial rows per load of the second stage
+    counts = _counters(dy, n_col) if (reduce and _FUSE_REDUCE) else None
+    dm_out = dm if dm is not None else mag
+    db_out = d_bias if d_bias is not None else mag
     with _launch.device_ctx(dy):
         _BWD(
             grid,
-            (dy2, in2, mag, nrm, dres2, dl2, dbd2, part_dm, part_db),
+            (dy2, in2, mag, nrm, dres2, dl2, dbd2, part_dm, part_db, dm_out, db_out,
+             counts if counts is not None else mag),
             (M, N, rows_per_prog, dys, ins, dres_s, dl_s, dbd_s),
             (float(scale), float(eps)),
             (bool(delta_form), write_dres, d_lora is not None, bool(need_dm), need_dbias, soft, prefetch,
-             block_m, block_n, _BWD_EVICT),
+             block_m, block_n, _BWD_EVICT, counts is not None, rp if counts is not None else 1),
             warps,
             _BWD_STAGES,
+            maxnreg=_BWD_MAXNREG if counts is not None else None,
         )
-        if need_dm or need_dbias:
+        if reduce and counts is None:
             rb = min(64, _next_pow2(N))
-            rp = min(32, _next_pow2(n_parts))
             _RED(
                 (_cdiv(N, rb),),
-                (part_dm, part_db, mag, nrm, dm if dm is not None else mag, d_bias if d_bias is not None else mag),
+                (part_dm, part_db, mag, nrm, dm_out, db_out),
                 (n_parts, N),
                 (float(eps),),
                 (bool(need_dm), need_dbias, soft, rp, rb),
