@@ -7,6 +7,7 @@
 #                                      PEFT DoRA), then the model bench's r=384 targets (plan final, one process per
 #                                      variant)
 #   bash benchmarks/run_s18.sh final   the GPU suite, then what "ab" runs
+#   bash benchmarks/run_s18.sh bench   model_bench.py plan final (r=384 targets, BENCH_S budget), then plan r16 (R16_S)
 #   bash benchmarks/run_s18.sh fused   benchmarks/fused_reduce_probe.py: the backward's fused second stage vs two kernels
 set -uo pipefail
 source benchmarks/_env.sh
@@ -42,6 +43,14 @@ case "${1:-tests}" in
       cp /tmp/mb/model_bench.json /tmp/mb/model_bench.md /tmp/mb/model_bench.png $OUT/ 2>/dev/null
       grep -v "^$" $OUT/mb.log | tail -30
     fi
+    ;;
+  bench)
+    python benchmarks/model_bench.py --out /tmp/mb --plan final --budget-s ${BENCH_S:-130} > $OUT/mb.log 2>&1
+    cp /tmp/mb/model_bench.json /tmp/mb/model_bench.md /tmp/mb/model_bench.png $OUT/ 2>/dev/null
+    grep "^| qwen\|MISS\|PASS" $OUT/mb.log | tail -24
+    python benchmarks/model_bench.py --out /tmp/mb16 --plan r16 --budget-s ${R16_S:-70} > $OUT/mb_r16.log 2>&1
+    cp /tmp/mb16/model_bench.json $OUT/model_bench_r16.json 2>/dev/null
+    grep "^| qwen" $OUT/mb_r16.log | tail -6
     ;;
   fused)
     timeout 200 python benchmarks/fused_reduce_probe.py --out $OUT/fused_reduce.json 2>&1 | grep -v Warn \
