@@ -50,15 +50,16 @@ def device_ctx(t: torch.Tensor):
     return _NULL
 
 
-_raw_stream_of = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+# the raw handle of a device's current CUDA stream: what Triton's own driver uses (same fallback)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda idx: torch.cuda.current_stream(idx).cuda_stream
+)
 
 
 def current_stream(t: torch.Tensor) -> tuple:
     """``(device index, raw stream)`` of CUDA tensor ``t``'s device's current stream (a cheap identity of it)."""
     idx = t.get_device()
-    if _raw_stream_of is None:  # pragma: no cover - CUDA builds have the binding
-        return idx, torch.cuda.current_stream(idx).cuda_stream
-    return idx, _raw_stream_of(idx)
+    return idx, _raw_stream(idx)
 
 
 def _fast_launch_supported() -> bool:
@@ -81,14 +82,8 @@ def _fast_launch_supported() -> bool:
 FAST_LAUNCH = _fast_launch_supported()
 if FAST_LAUNCH:  # pragma: no cover - needs Triton >= 3.4
     from triton import knobs as _knobs
-
-    # what Triton's own driver uses for the current stream (same fallback)
-    _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
-        lambda idx: torch.cuda.current_stream(idx).cuda_stream
-    )
 else:
     _knobs = None
-    _raw_stream = None
 
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 _data_ptr = torch.Tensor.data_ptr
