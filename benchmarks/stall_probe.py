@@ -17,7 +17,7 @@ the calling thread); ``no_gc`` (``gc.disable()`` for the iteration); ``switch_1m
 1 ms instead of 5: faster GIL hand-over between threads); ``no_step`` (no ``optimizer.step()``: W, A, B unchanged, so
 fastdora's norms stay cached and are never recomputed). Variants: any of model_bench's (``lora``, ``fastdora``,
 ``eager``, ``fastdora_fuse``, ...), each built once in this process. Per micro-batch host times (until
-``backward()`` returned) are recorded too.
+``backward()`` returned) are recorded too. The order of the variants rotates by one position per round.
 
   python benchmarks/stall_probe.py --out DIR/stall_probe_amp.json [--setup amp|bf16] [--rounds 3]
 """
@@ -114,15 +114,19 @@ def main():
 
     gc_ms = gc_pause_meter()
     conds = a.conditions.split(",")
-    for v in runs:  # warm-up: compile, allocator, cached norms
-        for c in conds:
-            with condition(c):
-                iteration(v, c != "no_step")
+    for v in runs:  # warm-up: compile, allocator, cached norms; two steps, so that the norm kernels of a
+        for c in conds:  # recompute with a cached base (first run after the second step) compile here too
+            for _ in range(2):
+                with condition(c):
+                    iteration(v, c != "no_step")
     sync()
     rows = []
+    order = [(v, c) for v in runs for c in conds]
     for rnd in range(a.rounds):
-        order = [(v, c) for v in runs for c in conds]
-        for v, c in (order if rnd % 2 == 0 else order[::-1]):
+        # the order rotates by one per round: over len(order) rounds every variant runs once in every position
+        # (session 18: with a fixed or mirrored order the middle one was the slow position twice)
+        k = rnd % len(order)
+        for v, c in order[k:] + order[:k]:
             stats0 = torch.cuda.memory_stats(dev) if cuda else {}
             gc_ms[0] = 0.0
             sync()
