@@ -50,15 +50,20 @@ SHAPES = {
                  num_key_value_heads=2, head_dim=16, vocab_size=512, full_layers=2),
 }
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# fastdora_old: --old-pkg's package; fastdora_nofuse / fastdora_fuse: fuse_lora_b False / True (the default: False)
-VARIANTS = ["lora", "peft_dora", "fastdora", "eager", "fastdora_old", "fastdora_nofuse", "fastdora_fuse"]
+# fastdora_old: --old-pkg's package; fastdora_nofuse / fastdora_fuse: fuse_lora_b False / True (the default: False);
+# fastdora_chain: lean_forward=False (PEFT's forward -> variant -> magnitude module chain on every call);
+# fastdora_nograph: graph_norm=False (the per-step norm recomputation as eager launches)
+VARIANTS = ["lora", "peft_dora", "fastdora", "eager", "fastdora_old", "fastdora_nofuse", "fastdora_fuse",
+            "fastdora_chain", "fastdora_nograph"]
 VARIANT_LABEL = {"lora": "PEFT LoRA", "peft_dora": "PEFT DoRA", "fastdora": "fastdora DoRA",
                  "eager": "fastdora eager", "fastdora_old": "fastdora (--old-pkg)",
                  "fastdora_nofuse": "fastdora, fuse_lora_b=False",
-                 "fastdora_fuse": "fastdora, fuse_lora_b=True"}
+                 "fastdora_fuse": "fastdora, fuse_lora_b=True", "fastdora_chain": "fastdora, lean_forward=False",
+                 "fastdora_nograph": "fastdora, graph_norm=False"}
 # the variants that run fastdora, with their fastdora.enable() options
 FASTDORA_OPTIONS = {"fastdora": {}, "eager": {"kernels": "eager"}, "fastdora_old": {},
-                    "fastdora_nofuse": {"fuse_lora_b": False}, "fastdora_fuse": {"fuse_lora_b": True}}
+                    "fastdora_nofuse": {"fuse_lora_b": False}, "fastdora_fuse": {"fuse_lora_b": True},
+                    "fastdora_chain": {"lean_forward": False}, "fastdora_nograph": {"graph_norm": False}}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -641,7 +646,8 @@ def plot(doc, png):
                ("train_peak_alloc_gb", "train peak alloc (GB)")]
     colors = {"lora": "#888888", "peft_dora": "#d62728", "fastdora": "#2ca02c", "eager": "#1f77b4",
               "fastdora_old": "#9467bd", "fastdora_nofuse": "#17becf",
-              "fastdora_fuse": "#bcbd22"}
+              "fastdora_fuse": "#bcbd22", "fastdora_chain": "#8c564b",
+              "fastdora_nograph": "#e377c2"}
     fig, axes = plt.subplots(len(groups), 3, figsize=(15, 3.2 * len(groups)), squeeze=False)
     for gi, g in enumerate(groups):
         ranks = sorted({k[3] for k in idx if k[:3] == g})

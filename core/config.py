@@ -67,6 +67,14 @@ class Options:
         pass less per layer backward) but runs the two small matmuls of lora_B's backward from Python. Measured on
         the H200 (benchmarks/README.md, session 11): no model-level gain (the host work it adds cancels the pass it
         saves in the host-bound bf16 step), so off by default; ``lora_B`` is then called as a module, as PEFT does.
+    lean_forward: PEFT LoRA ``Linear`` layers with a fastdora adapter run their common forward call (one active
+        adapter, no extra arguments, no hooks, not merged / disabled, no training-mode dropout) through one flattened
+        function instead of PEFT's ``forward`` -> variant -> magnitude module chain: the same operations in the same
+        order (bitwise the same outputs and gradients), less host time per layer. Off: PEFT's ``forward`` always.
+    graph_norm: on CUDA, a layer's once-per-step norm recomputation (Triton path, cached base) is captured into a CUDA
+        graph after its first recomputations and replayed from then on: the same kernels on the same inputs (bitwise
+        the same norm), one graph launch instead of ~12 kernel launches and their Python per layer and step. Inputs
+        that moved (storage swaps, another stream) are recaptured; off: eager launches always.
     """
 
     kernels: str = "auto"
@@ -74,6 +82,8 @@ class Options:
     cache_norm: bool = True
     norm_budget_mb: float = 16.0
     fuse_lora_b: bool = False
+    lean_forward: bool = True
+    graph_norm: bool = True
 
     @property
     def norm_budget_bytes(self) -> int:
@@ -95,7 +105,7 @@ def make_options(**kwargs: Any) -> Options:
     kernels = values["kernels"]
     if not isinstance(kernels, str) or kernels not in _KERNELS:
         raise ValueError(f"fastdora: option kernels={kernels!r} is invalid; use one of {list(_KERNELS)}")
-    for name in ("legacy_embedding_compose", "cache_norm", "fuse_lora_b"):
+    for name in ("legacy_embedding_compose", "cache_norm", "fuse_lora_b", "lean_forward", "graph_norm"):
         if name in values and not isinstance(values[name], bool):
             raise ValueError(f"fastdora: option {name}={values[name]!r} must be a bool")
     budget = values["norm_budget_mb"]

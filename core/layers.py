@@ -11,6 +11,7 @@ PEFT way (without ``fastdora_result``) the module returns exactly what PEFT's re
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -24,8 +25,10 @@ from torch import nn
 from . import config as _config
 from . import distributed as _distributed
 from .ops.compose import acc_dtype_for, allow_row_coef_cache, dora_compose, dora_compose_lora_b
+from .ops import norm_graph as _norm_graph
 from .ops.norm import factored_norm
-from .stats import active_path_counter, record
+from . import dispatch as _dispatch
+from .stats import active_path_counter, path_key, record
 
 __all__ = [
     "FastDoraLinearLayer",
@@ -76,9 +79,12 @@ def set_default_options(options: Optional[_config.Options]) -> None:
     _DEFAULT_OPTIONS = options
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
 def eps_for(dtype: torch.dtype) -> float:
     """eps of ``max(norm, eps)``: 1e-6 for half precision compute, 1e-12 otherwise (dora-math.md)."""
-    return 1e-6 if dtype in (torch.float16, torch.bfloat16) else 1e-12
+    return 1e-6 if dtype in _HALF else 1e-12
 
 
 def _tkey(t: torch.Tensor):
@@ -113,21 +119,38 @@ _NN_MODULE = torch.nn.modules.module
 _PLAIN_PARAM = (nn.Parameter, torch.Tensor)
 
 
+def _global_hooks() -> bool:
+    """Global module hooks are set (ZeRO-3 style gathering, FSDP2 unsharding, profilers)."""
+    return bool(_NN_MODULE._global_forward_pre_hooks or _NN_MODULE._global_forward_hooks
+                or _NN_MODULE._global_backward_pre_hooks or _NN_MODULE._global_backward_hooks)
+
+
+def _own_hooks(m: nn.Module) -> bool:
+    """``m`` has call hooks of its own or a ``module.compile()``-d call."""
+    return bool(m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks
+                or m.__dict__.get("_compiled_call_impl") is not None)
+
+
 def _no_call_hooks(m: nn.Module) -> bool:
-    """Calling ``m.forward`` directly is exactly what ``m(...)`` does: no hooks of its own or global ones (ZeRO-3
-    style gathering, FSDP2 unsharding, profilers) and no ``module.compile()``-d call."""
-    return (
-        not (m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks)
-        and not (_NN_MODULE._global_forward_pre_hooks or _NN_MODULE._global_forward_hooks
-                 or _NN_MODULE._global_backward_pre_hooks or _NN_MODULE._global_backward_hooks)
-        and m.__dict__.get("_compiled_call_impl") is None
-    )
+    """Calling ``m.forward`` directly is exactly what ``m(...)`` does: no hooks of its own or global ones and no
+    ``module.compile()``-d call."""
+    return not (_own_hooks(m) or _global_hooks())
+
+
+def _bare_linear(m: nn.Module) -> bool:
+    """``F.linear(x, weight, bias)`` on ``m``'s parameters is exactly ``m(x)`` (global hooks aside, which callers
+    check once): a plain ``nn.Linear`` with plain parameters and no hooks of its own."""
+    if type(m) is not nn.Linear or _own_hooks(m):
+        return False
+    p = m._parameters
+    b = p["bias"]
+    return type(p["weight"]) in _PLAIN_PARAM and (b is None or type(b) in _PLAIN_PARAM)
 
 
 def _plain_linear(m: nn.Module) -> bool:
     """An ``nn.Linear`` without bias, hooks or a tensor-subclass weight: calling ``F.linear`` on its weight is exactly
     what calling the module does."""
-    return type(m) is nn.Linear and m.bias is None and type(m.weight) in _PLAIN_PARAM and _no_call_hooks(m)
+    return _bare_linear(m) and m._parameters["bias"] is None and not _global_hooks()
 
 
 def _peft_caching_enabled() -> bool:
@@ -146,6 +169,47 @@ class _FastDoraMixin:
     def _fd_invalidate(self) -> None:
         self.__dict__["_fastdora_norm"] = {}
         self.__dict__["_fastdora_base"] = None
+        self.__dict__["_fastdora_graphs"] = {}
+
+    def _fd_graph_norm(self, adapter_name, weight, weight_src, lora_A, lora_B, scale, base_sq, budget, kernels):
+        """The norm from this adapter's CUDA graph (``fastdora.ops.norm_graph``), capturing it after
+        ``CAPTURE_AFTER`` eager recomputations with the same inputs; None: compute eagerly this time."""
+        sig = _norm_graph.signature(weight, weight_src, lora_A, lora_B, scale, base_sq, kernels)
+        if sig is None:
+            return None
+        graphs = self.__dict__.setdefault("_fastdora_graphs", {})
+        entry = graphs.get(adapter_name)
+        if type(entry) is _norm_graph.NormGraph:
+            if entry.sig == sig:
+                record("norm:graph_replay")
+                return entry.replay()
+            entry = None  # inputs moved (storage swap, new base, other stream): drop the graph
+        same = entry is not None and entry[0] == sig
+        count = entry[1] if same else 0
+        if count < _norm_graph.CAPTURE_AFTER:
+            graphs[adapter_name] = (sig, count + 1) + (tuple(entry[2:]) if same else ())
+            return None
+        g, why = _norm_graph.capture(sig, weight, lora_A, lora_B, scale, base_sq, budget)
+        if g is None:  # not capturable here: eager from now on for these inputs (the reason kept for diagnosis)
+            graphs[adapter_name] = (sig, float("-inf"), why)
+            record("norm:graph_failed")
+            return None
+        graphs[adapter_name] = g
+        record("norm:graph_capture")
+        return g.replay()
+
+    def __getstate__(self):
+        # pickling / deep-copying the module leaves the norm caches behind (the copy recomputes them; the cached
+        # norms carry per-row coefficient caches that hold weak references, which pickle refuses)
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
+        state = dict(state)
+        if "_fastdora_norm" in state:
+            state["_fastdora_norm"] = {}
+        if "_fastdora_base" in state:
+            state["_fastdora_base"] = None
+        if "_fastdora_graphs" in state:
+            state["_fastdora_graphs"] = {}
+        return state
 
     def _fd_peft_cache(self, adapter_name: Optional[str], norm: torch.Tensor) -> None:
         # PEFT's DoraCaching semantics for its `_dora_cache` (peft >= 0.19): filled only in eval mode while enabled.
@@ -192,7 +256,13 @@ class _FastDoraMixin:
             return hit[1]
         base = self.__dict__.get("_fastdora_base")
         base_sq = base[1] if (base is not None and base[0] == wkey) else None
-        norm, base_sq = factored_norm(weight_fn(), lora_A, lora_B, scale, base_sq, budget, kernels)
+        weight = weight_fn()
+        norm = None
+        if base_sq is not None and opts.graph_norm and not _distributed.active():
+            norm = self._fd_graph_norm(adapter_name, weight, weight_src, lora_A, lora_B, scale, base_sq, budget,
+                                       kernels)
+        if norm is None:
+            norm, base_sq = factored_norm(weight, lora_A, lora_B, scale, base_sq, budget, kernels)
         record("norm:computed" if base is None or base[0] != wkey else "norm:computed_base_cached")
         self.__dict__["_fastdora_base"] = (wkey, base_sq)
         allow_row_coef_cache(norm)  # the eager composition may keep its per-row coefficients on a cached norm
@@ -470,6 +540,9 @@ class FastDoraLinearVariant(PEFT_CLASSES["DoraLinearVariant"]):
         mag = module.lora_magnitude_vector[active_adapter]  # may be an FSDP1 unit: call it, check what it wraps
         if not isinstance(_distributed.unwrap(mag), _FastDoraMixin):
             return PEFT_CLASSES["DoraLinearVariant"].forward(module, active_adapter, x, result, **kwargs)
+        if ("forward" not in module.__dict__ and type(mag) is FastDoraLinearLayer and mag._fd_options().lean_forward
+                and not _distributed.active()):
+            install_lean_forward(module)  # later calls of this module take the flattened path (lean_linear_forward)
         dropout = module.lora_dropout[active_adapter]
         if isinstance(dropout, nn.Identity) or not module.training:
             base_result = result
@@ -556,3 +629,151 @@ FAST_OF = {
     PEFT_CLASSES["DoraConv3dVariant"]: FastDoraConv3dVariant,
 }
 PEFT_OF = {fast: peft for peft, fast in FAST_OF.items()}
+
+
+# ------------------------------------------------------------------------------------------- lean module forward
+
+try:  # PEFT's LoRA Linear: the one layer class the lean forward is installed on (exact type)
+    from peft.tuners.lora.layer import Linear as _LoraLinear
+except Exception:  # pragma: no cover - every supported PEFT has it
+    _LoraLinear = None
+
+_is_compiling = torch.compiler.is_compiling
+_tracing_state = torch._C._get_tracing_state
+
+
+def _autocast_round_trip(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """PEFT casts the input to the adapters' ``dtype`` before ``lora_A``; under autocast in ``x``'s own half dtype
+    that cast is a round trip: ``F.linear`` casts the fp32 copy straight back (exactly: fp32 holds every bf16 /
+    fp16 value), and the gradient's two casts are exact too. True when skipping both is exact: a half ``x``, fp32
+    adapters, autocast on in ``x``'s dtype for its device."""
+    if dtype != torch.float32 or x.dtype not in _HALF:
+        return False
+    dev = x.device.type
+    try:
+        return torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) == x.dtype
+    except (TypeError, AttributeError, RuntimeError):  # pragma: no cover - torch without per-device autocast queries
+        return False
+
+
+def lean_linear_forward(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """PEFT's ``lora.Linear.forward`` for the common training / inference call, with the PEFT and fastdora layers
+    between the module call and the composition flattened into one function (host time: this runs once per layer
+    per forward, twice under gradient checkpointing).
+
+    It runs the same operations on the same tensors in the same order as ``lora.Linear.forward`` through
+    ``FastDoraLinearVariant.forward`` and ``FastDoraLinearLayer.forward`` -- base layer, PEFT's input cast,
+    ``lora_A``, ``lora_B``, the cached norm (the key of ``_fd_weight_norm``; anything but a hit goes through that
+    method), PEFT's ``_dora_cache`` bookkeeping, the fused composition -- so outputs, gradients and the recorded paths
+    are identical. Every other call goes to the class's own ``forward`` (PEFT's, which routes through the fastdora
+    variant as before): extra arguments (``adapter_names``, variant kwargs), adapters disabled or merged, not exactly
+    one active adapter present on the layer, an adapter not converted to fastdora, dropout in training mode, hooks
+    on the magnitude module or global module hooks, distributed engines, ``fuse_lora_b``, ``torch.compile`` / JIT
+    tracing. The base layer, ``lora_A`` and ``lora_B`` are called as modules unless they are bare ``nn.Linear``
+    modules (then ``F.linear`` on their parameters: what their call runs).
+
+    One operation is left out where leaving it out is exact: under autocast with fp32 adapters and activations in
+    the autocast dtype (HF Trainer's AMP), PEFT's cast of the input to fp32 before ``lora_A`` is undone by
+    autocast's cast back inside ``F.linear`` (``_autocast_round_trip``). Skipping both gives the same ``lora_A``
+    product and the same input gradient values (both casts and their backward casts are exact), and saves two
+    activation-sized passes per layer forward and two in its backward. Only the order in which autograd sums the
+    input gradient's contributions from several layers (q/k/v reading one input) may differ with the shorter graph."""
+    a = module._active_adapter
+    if type(a) is list:
+        a = a[0] if len(a) == 1 else None
+    mods = module._modules
+    lora_A = mods["lora_A"]._modules.get(a) if a is not None else None
+    if (
+        lora_A is None
+        or args
+        or kwargs
+        or module._disable_adapters
+        or module.merged_adapters
+        or _is_compiling()
+        or _tracing_state() is not None
+        or _distributed.active()
+        or type(module.lora_variant.get(a)) is not FastDoraLinearVariant
+    ):
+        return type(module).forward(module, x, *args, **kwargs)
+    mag = mods["lora_magnitude_vector"]._modules.get(a)
+    opts = mag.__dict__.get("_fastdora_options") or default_options()
+    if (
+        type(mag) is not FastDoraLinearLayer
+        or opts.fuse_lora_b
+        or not opts.lean_forward
+        or (module.training and type(mods["lora_dropout"]._modules[a]) is not nn.Identity)
+        or _global_hooks()
+        or _own_hooks(mag)
+    ):
+        return type(module).forward(module, x, *args, **kwargs)
+    lora_B = mods["lora_B"]._modules[a]
+    scaling = module.scaling[a]
+    base = mods["base_layer"]
+    if _bare_linear(base):
+        result = F.linear(x, base._parameters["weight"], base._parameters["bias"])
+    else:
+        result = base(x)
+    a_weight = lora_A._parameters["weight"]
+    bare_a = _bare_linear(lora_A) and lora_A._parameters["bias"] is None
+    x_dtype = x.dtype  # the dtype PEFT's LoRA branch computes in (eps below)
+    if x_dtype != a_weight.dtype and getattr(module, "cast_input_dtype_enabled", True):
+        x_dtype = a_weight.dtype
+        if not (bare_a and _autocast_round_trip(x, a_weight.dtype)):
+            x = module._cast_input_dtype(x, a_weight.dtype)
+    h = F.linear(x, a_weight) if bare_a else lora_A(x)
+    b_weight = lora_B._parameters["weight"]
+    lora = F.linear(h, b_weight) if (_bare_linear(lora_B) and lora_B._parameters["bias"] is None) else lora_B(h)
+    base_layer = base if "base_layer" not in base._modules else module.get_base_layer()
+    # the norm: a cache hit checked here with _fd_weight_norm's key; anything else through the layer's method
+    norm = None
+    cache = mag.__dict__.get("_fastdora_norm")
+    hit = cache.get(a) if cache else None
+    if hit is not None and opts.cache_norm:
+        akey, bkey, wkey = _tkey(a_weight), _tkey(b_weight), _tkey(_stored_weight(base_layer))
+        if (akey is not None and bkey is not None and wkey is not None
+                and hit[0] == (_distributed.epoch(), wkey, akey, bkey, float(scaling))):
+            active_path_counter["norm:cached"] += 1
+            norm = hit[1]
+    if norm is None:
+        norm = mag._fd_linear_norm(base_layer, lora_A, lora_B, scaling, a)
+    # PEFT's _dora_cache (peft >= 0.19), kept as _fd_peft_cache keeps it
+    dora_cache = mag.__dict__.get("_dora_cache")
+    if dora_cache is not None:
+        if mag.training or not _peft_caching_enabled():
+            if dora_cache:
+                mag._cache_clear()
+        else:
+            mag._cache_store(f"weight-norm-{a}", norm)
+    # dora_compose(result, lora, magnitude, norm, scaling, eps, bias=..., out_dtype=result.dtype, kind="linear")
+    if norm.requires_grad:
+        raise ValueError("fastdora: the weight norm must be detached (DoRA treats it as a constant)")
+    magnitude = mag._parameters["weight"]
+    bias = getattr(base_layer, "bias", None)
+    impl = _dispatch.compose_impl(result, lora, magnitude, bias, None, -1, opts.kernels)
+    active_path_counter[path_key("linear", impl.name)] += 1
+    eps = 1e-6 if x_dtype in _HALF else 1e-12  # eps_for(x_dtype)
+    if not torch.is_grad_enabled():
+        return impl.compose_fwd(result, lora, magnitude, norm, scaling, eps, bias, None, result.dtype, False, -1)[0]
+    return impl.apply(result, lora, magnitude, norm, bias, None, scaling, eps, result.dtype, -1)
+
+
+def install_lean_forward(module: nn.Module) -> bool:
+    """Make ``module(x)`` run :func:`lean_linear_forward` (an instance attribute ``forward``, a ``functools.partial``:
+    picklable and deep-copyable). Only PEFT's LoRA ``Linear`` itself, and only where nothing else has replaced
+    ``forward`` on the instance (e.g. accelerate's hooks). Returns whether it is installed."""
+    if _LoraLinear is None or type(module) is not _LoraLinear:
+        return False
+    current = module.__dict__.get("forward")
+    if current is not None:
+        return _is_lean(current)
+    module.__dict__["forward"] = functools.partial(lean_linear_forward, module)
+    return True
+
+
+def remove_lean_forward(module: nn.Module) -> None:
+    if _is_lean(module.__dict__.get("forward")):
+        del module.__dict__["forward"]
+
+
+def _is_lean(fn) -> bool:
+    return type(fn) is functools.partial and fn.func is lean_linear_forward

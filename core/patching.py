@@ -177,13 +177,14 @@ def disable(model: Optional[nn.Module] = None) -> int:
         return 0
     restored = 0
     for _, module in _lora_layers(model):
+        _layers.remove_lean_forward(module)
         for adapter, mag in module.lora_magnitude_vector.items():
             variant = module.lora_variant.get(adapter)
             if type(variant) in _layers.PEFT_OF:
                 module.lora_variant[adapter] = _layers.PEFT_OF[type(variant)]()
             if type(mag) in _layers.PEFT_OF:
                 mag.__class__ = _layers.PEFT_OF[type(mag)]
-                for attr in ("_fastdora_options", "_fastdora_norm", "_fastdora_base"):
+                for attr in ("_fastdora_options", "_fastdora_norm", "_fastdora_base", "_fastdora_graphs"):
                     mag.__dict__.pop(attr, None)
                 restored += 1
     return restored

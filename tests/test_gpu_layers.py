@@ -17,7 +17,7 @@ pytestmark = [
 ]
 
 
-def _llama(dtype):
+def _llama(dtype, attn=None):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -25,15 +25,17 @@ def _llama(dtype):
         hidden_size=512, intermediate_size=1408, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
         vocab_size=1000, max_position_embeddings=1024,
     )
+    if attn is not None:
+        cfg._attn_implementation = attn
     return LlamaForCausalLM(cfg).to("cuda", dtype)
 
 
-def _pair(adapter_dtype, r=64):
+def _pair(adapter_dtype, r=64, attn=None):
     from peft import LoraConfig, get_peft_model
 
     cfg = LoraConfig(r=r, lora_alpha=2 * r, use_dora=True, init_lora_weights=False,
                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    ref = get_peft_model(_llama(torch.bfloat16), cfg, autocast_adapter_dtype=adapter_dtype == torch.float32)
+    ref = get_peft_model(_llama(torch.bfloat16, attn), cfg, autocast_adapter_dtype=adapter_dtype == torch.float32)
     for n, p in ref.named_parameters():
         if "lora_" in n:
             p.data = p.data.to(adapter_dtype)
@@ -98,3 +100,199 @@ def test_training_steps_norm_cache_and_checkpointing():
     assert computed == 14 * 3, active_path_counter  # once per module per optimizer step
     for a, b in zip(*losses):
         assert abs(a - b) < 2e-2 * abs(b), losses
+
+
+@pytest.mark.parametrize("setup", ["amp", "pure_bf16"])
+def test_lean_forward_bitwise_chain_triton(setup):
+    """The lean module forward vs PEFT's forward -> variant chain on the Triton path, with checkpointing: bitwise
+    the same loss and logits, and the lean path taken (PEFT's Linear.forward not called). Gradients: bitwise in pure
+    bf16; in AMP the lean path skips PEFT's exact fp32 round trip of the input (a shorter autograd graph), so where
+    several layers' input gradients meet (q/k/v, gate/up) autograd may sum them in another order: equal up to bf16
+    summation order there."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    # eager attention: SDPA's backward kernels may accumulate with atomics (not bitwise repeatable)
+    _, lean = _pair(torch.float32 if setup == "amp" else torch.bfloat16, attn="eager")
+    chain = copy.deepcopy(lean)
+    fastdora.enable(chain, kernels="triton", lean_forward=False)
+    ids = torch.randint(0, 1000, (2, 256), device="cuda")
+    calls = []
+    orig = LoraLinear.forward
+
+    def counting(self, x, *args, **kwargs):
+        calls.append(1)
+        return orig(self, x, *args, **kwargs)
+
+    res = []
+    for m in (lean, chain):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.enable_input_require_grads()
+        m.train()
+        for it in range(2):  # the first call installs the lean forward
+            m.zero_grad()
+            if it == 1:
+                calls.clear()
+                LoraLinear.forward = counting
+            try:
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=setup == "amp"):
+                    out = m(input_ids=ids, labels=ids)
+                out.loss.backward()
+            finally:
+                LoraLinear.forward = orig
+        res.append((len(calls), out.loss.detach(), out.logits.detach(),
+                    {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}))
+    (n_lean, loss_l, logits_l, g_l), (n_chain, loss_c, logits_c, g_c) = res
+    assert n_lean == 0 and n_chain == 2 * 14  # the chain: forward + checkpoint recomputation per module
+    assert torch.equal(loss_l, loss_c) and torch.equal(logits_l, logits_c)
+    assert g_l.keys() == g_c.keys()
+    for n in g_l:
+        if setup == "pure_bf16":
+            assert torch.equal(g_l[n], g_c[n]), n
+        else:
+            assert _rel(g_l[n], g_c[n]) < 1e-2, (n, _rel(g_l[n], g_c[n]))
+
+
+def _mlp_pair(n_layers=3, d=(512, 768, 384, 640), r=32, dtype=torch.bfloat16, adapter_dtype=torch.float32):
+    """A stack of bias-free Linear layers with DoRA on all of them: fastdora with / without norm graphs."""
+    from peft import LoraConfig, get_peft_model
+    from torch import nn
+
+    torch.manual_seed(0)
+    base = nn.Sequential(*[nn.Linear(d[i], d[i + 1], bias=False) for i in range(n_layers)]).to("cuda", dtype)
+    cfg = LoraConfig(r=r, lora_alpha=2 * r, use_dora=True, init_lora_weights=False,
+                     target_modules=[str(i) for i in range(n_layers)])
+    model = get_peft_model(base, cfg, autocast_adapter_dtype=adapter_dtype == torch.float32)
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            p.data = p.data.to(adapter_dtype)
+    eager = copy.deepcopy(model)
+    fastdora.enable(model, kernels="triton")
+    fastdora.enable(eager, kernels="triton", graph_norm=False)
+    return model, eager, d[0]
+
+
+def _mags(model):
+    return [m.lora_magnitude_vector["default"] for m in model.modules() if hasattr(m, "lora_magnitude_vector")
+            and "default" in m.lora_magnitude_vector]
+
+
+@pytest.mark.parametrize("setup", ["amp", "pure_bf16"])
+def test_norm_graph_training_bitwise(setup):
+    """Training steps with the norm captured into CUDA graphs vs eager launches: bitwise the same outputs,
+    gradients and parameters; the graph is captured once per layer (third recomputation) and replayed after."""
+    model, eager, d_in = _mlp_pair(adapter_dtype=torch.float32 if setup == "amp" else torch.bfloat16)
+    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (model, eager)]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    xs = [torch.randn(4, 64, d_in, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(6)]
+    active_path_counter.clear()
+    for step, x in enumerate(xs):
+        outs = []
+        for m, opt in zip((model, eager), opts):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=setup == "amp"):
+                y = m(x)
+            (y.float() ** 2).mean().backward()
+            outs.append(y.detach())
+            opt.step()
+            opt.zero_grad()
+        assert torch.equal(outs[0], outs[1]), f"step {step}"
+    for (n, p), (n2, q) in zip(model.named_parameters(), eager.named_parameters()):
+        assert n == n2 and torch.equal(p, q), n
+    n_layers = len(_mags(model))
+    assert active_path_counter["norm:graph_capture"] == n_layers
+    assert active_path_counter["norm:graph_replay"] == n_layers * (len(xs) - 3)
+
+
+def test_norm_graph_recapture_streams_and_memory():
+    """A storage swap of a factor recaptures (eager meanwhile), another stream computes eagerly, replays in another
+    order than captured leave every cached norm exact, and replays do not grow memory."""
+    from fastdora.ops.norm import factored_norm
+
+    model, _, d_in = _mlp_pair()
+    mags = _mags(model)
+    layers = [m for m in model.modules() if hasattr(m, "lora_magnitude_vector") and "default" in m.lora_magnitude_vector]
+    x = torch.randn(2, 16, d_in, device="cuda", dtype=torch.bfloat16)
+
+    def bump():  # an optimizer-like in-place update of every factor, then a new step
+        with torch.no_grad():
+            for m in layers:
+                m.lora_A["default"].weight.mul_(1.01)
+                m.lora_B["default"].weight.add_(1e-3)
+        fastdora.invalidate_norm_cache()
+
+    def check():  # every cached norm equals a fresh computation of the same kernels
+        for m, mag in zip(layers, mags):
+            cached = mag._fastdora_norm["default"][1]
+            ref, _ = factored_norm(m.base_layer.weight, m.lora_A["default"].weight, m.lora_B["default"].weight,
+                                   m.scaling["default"], mag._fastdora_base[1], kernels="triton")
+            assert torch.equal(cached, ref)
+
+    for _ in range(4):
+        with torch.no_grad():
+            model(x)
+        check()
+        bump()
+    graphs = [mag._fastdora_graphs["default"] for mag in mags]
+    assert all(type(g).__name__ == "NormGraph" for g in graphs)
+    # replays in reverse layer order (the pool is shared by the stream's graphs): each norm stays exact
+    for m in reversed(layers):
+        with torch.no_grad():
+            m(torch.randn(2, m.base_layer.in_features, device="cuda", dtype=torch.bfloat16))
+    check()
+    torch.cuda.synchronize()
+    mem0 = torch.cuda.memory_allocated()
+    for _ in range(3):
+        bump()
+        with torch.no_grad():
+            model(x)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= mem0
+    check()
+    # a storage swap of one factor: that layer's graph no longer matches -> eager, recaptured later; still exact
+    w = layers[1].lora_A["default"].weight
+    w.data = w.data.clone()
+    active_path_counter.clear()
+    for _ in range(3):
+        bump()
+        with torch.no_grad():
+            model(x)
+        check()
+    assert active_path_counter["norm:graph_capture"] == 1
+    # another stream: eager there, exact
+    s = torch.cuda.Stream()
+    bump()
+    active_path_counter.clear()
+    with torch.cuda.stream(s), torch.no_grad():
+        model(x)
+    torch.cuda.current_stream().wait_stream(s)
+    assert active_path_counter["norm:graph_replay"] == 0
+    check()
+    # deepcopy drops the graphs (the copy recomputes)
+    dup = copy.deepcopy(model)
+    assert all(m._fastdora_graphs == {} for m in _mags(dup))
+
+
+def test_norm_graphs_share_one_pool():
+    """Every layer's norm graph on one stream shares one pool and one capture stream: memory reserved by the
+    captures stays about one layer's working set, not one per layer."""
+    from fastdora.ops import norm_graph
+
+    torch.cuda.synchronize()
+    model, eager, d_in = _mlp_pair(n_layers=6, d=(1024,) * 7, r=64)
+    x = torch.randn(2, 16, d_in, device="cuda", dtype=torch.bfloat16)
+    for m in (model, eager):
+        for _ in range(2):  # eager recomputations (base, then base cached): kernels compiled
+            with torch.no_grad():
+                m(x)
+            fastdora.invalidate_norm_cache()
+    torch.cuda.synchronize()
+    pools_before = dict(norm_graph._POOLS)
+    r0 = torch.cuda.memory_reserved()
+    with torch.no_grad():
+        model(x)  # the six captures
+    torch.cuda.synchronize()
+    grown = torch.cuda.memory_reserved() - r0
+    assert active_path_counter["norm:graph_capture"] >= 6
+    assert len(norm_graph._POOLS) - len(pools_before) <= 1
+    # one layer's norm working set (U-sized partials of 1024 x 64 fp32, G, parts) is well under 8 MB; six separate
+    # per-layer reservations would be six times that at least (the caching allocator rounds segments up to 2 MB)
+    assert grown <= 8 * 2**20, grown

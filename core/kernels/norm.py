@@ -991,10 +991,12 @@ def factored_norm_triton(
     scale: float,
     base_sq: Optional[torch.Tensor] = None,
     budget_bytes: int = 16 << 20,
+    out: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(norm, base_sq)``, both fp32 ``[d_out]``. ``budget_bytes`` is accepted for interface parity with
     the eager path; the kernels never allocate more than ``U``'s size (partial G's; U itself is never stored), ``G``
-    and a few ``[d_out]`` vectors (the cross term's and ``||W||^2``'s partial sums, the results)."""
+    and a few ``[d_out]`` vectors (the cross term's and ``||W||^2``'s partial sums, the results). ``out``: a
+    contiguous fp32 ``[d_out]`` tensor on the weight's device to write the norm into (CUDA-graph capture)."""
     if not supports(weight, lora_A, lora_B):
         from ..ops.norm import factored_norm_eager
 
@@ -1007,7 +1009,7 @@ def factored_norm_triton(
     with torch.no_grad(), _launch.device_ctx(weight):
         W, A, B = weight.detach(), lora_A.detach(), lora_B.detach()
         G = torch.empty((r, r), dtype=f32, device=dev)
-        norm = torch.empty(d_out, dtype=f32, device=dev)
+        norm = torch.empty(d_out, dtype=f32, device=dev) if out is None else out
         need_base = base_sq is None
         plan = _gram_plan(W, A, False)
         mode, nparts, cfg = plan

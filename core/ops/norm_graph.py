@@ -1,0 +1,124 @@
+"""CUDA-graph replay of a layer's norm recomputation.
+
+With the frozen base norm cached, a layer's weight norm is recomputed once per optimizer step by a fixed sequence of
+Triton launches on the same parameter storages (optimizers update ``A`` and ``B`` in place). That sequence costs ~12
+launches and their Python per layer, at the start of the first micro-batch after each step, when the GPU queue is
+empty (transformers' causal-mask construction synchronises once per forward): measured on the H200 as host time the
+GPU waits for (benchmarks/README.md, session 19). Captured once into a CUDA graph, each later recomputation is one
+graph launch on the current stream, computing the same kernels on the same inputs into the same output tensor:
+bitwise the same norm.
+
+A graph is used only where replaying it is exactly the eager computation:
+
+- inputs: ``W`` (a view of the layer's stored weight, no dequantisation), ``A``, ``B`` and the cached base norm at
+  the same addresses with the same shapes, strides and dtypes as at capture, the same ``scale``; anything else
+  recaptures;
+- the Triton norm is the implementation the dispatch picks (CUDA, supported dtypes), outside ``torch.compile``,
+  outside another capture, outside distributed engines (their parameters move between calls);
+- replays run on the stream the graph was captured for: graphs of one (device, stream) share one memory pool
+  (their temporaries never live at the same time: replays on one stream run one after another), so memory stays
+  one layer's working set plus the norms.
+
+The first recomputation computes ``||W||^2`` too and the first one with a cached base compiles that plan's kernels,
+both eagerly (a capture never compiles); the next one is captured (``CAPTURE_AFTER``) and replayed, and every later
+one replays.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import dispatch
+
+__all__ = ["NormGraph", "signature", "capture", "CAPTURE_AFTER"]
+
+#: eager recomputations (with a cached base) of a layer before its norm is captured
+CAPTURE_AFTER = 1
+
+# (device index, raw stream) -> (graph memory pool, capture stream) shared by that stream's norm graphs: one capture
+# stream per pool, because the caching allocator reuses a freed block only for allocations on the stream that used
+# it (a fresh stream per capture would keep every layer's temporaries reserved: +0.7 GB at Qwen3-8B x 8 layers)
+_POOLS: dict = {}
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _tsig(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def signature(weight, weight_src, lora_A, lora_B, scale, base_sq, kernels) -> Optional[tuple]:
+    """What a norm graph bakes in (None: not graphable here). ``weight`` is the effective weight the norm reads,
+    ``weight_src`` the layer's stored parameter (``weight`` must be a view of its storage)."""
+    if (
+        _capturing is None
+        or _raw_stream is None
+        or base_sq is None
+        or not (weight.is_cuda and lora_A.is_cuda and lora_B.is_cuda and base_sq.is_cuda)
+        or base_sq.dtype != torch.float32
+        or not base_sq.is_contiguous()
+        or torch.compiler.is_compiling()
+        or _capturing()
+        or weight.untyped_storage().data_ptr() != weight_src.untyped_storage().data_ptr()
+        or not dispatch.triton_available()
+    ):
+        return None
+    from ..kernels import norm as kn
+
+    if dispatch.norm_impl(weight, lora_A, lora_B, kernels) is not kn.factored_norm_triton:
+        return None
+    if not kn.supports(weight, lora_A, lora_B):
+        return None
+    dev = weight.get_device()
+    # storages by address and layout: a graph reads whatever lives at the captured addresses, so matching current
+    # tensors at the same addresses with the same layouts is all a replay needs (a recomputed base or a swapped
+    # factor elsewhere: another signature, a new capture)
+    return (dev, _raw_stream(dev), _tsig(weight), _tsig(lora_A), _tsig(lora_B), _tsig(base_sq), float(scale))
+
+
+class NormGraph:
+    """A captured norm computation: ``replay()`` recomputes ``norm`` (the same tensor every time) in place."""
+
+    __slots__ = ("sig", "graph", "norm")
+
+    def __init__(self, sig, graph, norm):
+        self.sig, self.graph, self.norm = sig, graph, norm
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.norm
+
+
+def capture(sig, weight, lora_A, lora_B, scale, base_sq, budget_bytes):
+    """Capture the Triton norm for these inputs (``sig`` from :func:`signature`); replay it to compute. Returns
+    ``(NormGraph, None)``, or ``(None, reason)`` if the capture failed (the caller then computes eagerly).
+
+    The norm is written into a tensor allocated outside the graph's pool, so the pool holds only temporaries, all
+    freed inside each capture: graphs sharing the pool may reuse each other's temporaries, never each other's
+    outputs (which stay cached between replays)."""
+    from ..kernels import norm as kn
+
+    dev_idx, stream_key = sig[0], sig[1]
+    dev = torch.device("cuda", dev_idx)
+    out = torch.empty(weight.shape[0], dtype=torch.float32, device=dev)
+    entry = _POOLS.get((dev_idx, stream_key))
+    if entry is None:  # captures run on a side stream (never the legacy default stream)
+        entry = _POOLS[(dev_idx, stream_key)] = (torch.cuda.graph_pool_handle(), torch.cuda.Stream(dev))
+    pool, side = entry
+    graph = torch.cuda.CUDAGraph()
+    current = torch.cuda.current_stream(dev)
+    side.wait_stream(current)
+    try:
+        with torch.cuda.stream(side), torch.no_grad(), torch.autocast("cuda", enabled=False):
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                kn.factored_norm_triton(weight, lora_A, lora_B, scale, base_sq, budget_bytes, out=out)
+            finally:
+                graph.capture_end()
+    except Exception as e:  # noqa: BLE001 - an uncapturable call: compute eagerly instead (never an error for the user)
+        return None, f"{type(e).__name__}: {e}"
+    finally:
+        current.wait_stream(side)
+    return NormGraph(sig, graph, out), None
