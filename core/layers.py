@@ -27,8 +27,7 @@ from . import distributed as _distributed
 from .ops.compose import acc_dtype_for, allow_row_coef_cache, dora_compose, dora_compose_lora_b
 from .ops import norm_graph as _norm_graph
 from .ops.norm import factored_norm
-from . import dispatch as _dispatch
-from .stats import active_path_counter, path_key, record
+from .stats import active_path_counter, record
 
 __all__ = [
     "FastDoraLinearLayer",
@@ -94,6 +93,15 @@ def _tkey(t: torch.Tensor):
     except RuntimeError:  # inference tensors have no version counter: never cache them
         return None
     return (t.data_ptr(), version, tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+def _local_key(weight_src: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float):
+    """``(key, wkey)`` of the norm cache outside distributed engines (``key`` None: not cacheable). The
+    optimizer-step epoch catches updates that bump no version counter (fused optimizers, ``.data`` writes inside
+    optimizers); W, A, B identity + versions catch every other in-place change or swap."""
+    wkey, akey, bkey = _tkey(weight_src), _tkey(lora_A), _tkey(lora_B)
+    key = None if (akey is None or bkey is None) else (_distributed.epoch(), wkey, akey, bkey, float(scale))
+    return key, wkey
 
 
 def _stored_weight(base_layer: nn.Module) -> torch.Tensor:
@@ -238,15 +246,13 @@ class _FastDoraMixin:
         kernels, budget = opts.kernels, opts.norm_budget_bytes
         if torch.compiler.is_compiling() or not opts.cache_norm:
             return factored_norm(weight_fn(), lora_A, lora_B, scale, None, budget, kernels)[0]
-        if _distributed.active():  # sharding engines: epoch-based key (see fastdora.distributed)
+        dist = _distributed.active()
+        if dist:  # sharding engines: epoch-based key (see fastdora.distributed)
             key = _distributed.cache_key(self, (weight_src, lora_A, lora_B), scale)
             wkey = _distributed.base_key(weight_src)
         else:
-            # the optimizer-step epoch catches updates that bump no version counter (fused optimizers, `.data`
-            # writes inside optimizers); W, A, B identity + versions catch every other in-place change or swap
             _distributed._ensure_hooks(self)
-            wkey, akey, bkey = _tkey(weight_src), _tkey(lora_A), _tkey(lora_B)
-            key = None if (akey is None or bkey is None) else (_distributed.epoch(), wkey, akey, bkey, float(scale))
+            key, wkey = _local_key(weight_src, lora_A, lora_B, scale)
         if key is None or wkey is None:
             return factored_norm(weight_fn(), lora_A, lora_B, scale, None, budget, kernels)[0]
         cache = self.__dict__.setdefault("_fastdora_norm", {})
@@ -258,7 +264,7 @@ class _FastDoraMixin:
         base_sq = base[1] if (base is not None and base[0] == wkey) else None
         weight = weight_fn()
         norm = None
-        if base_sq is not None and opts.graph_norm and not _distributed.active():
+        if base_sq is not None and opts.graph_norm and not dist:
             norm = self._fd_graph_norm(adapter_name, weight, weight_src, lora_A, lora_B, scale, base_sq, budget,
                                        kernels)
         if norm is None:
@@ -724,37 +730,21 @@ def lean_linear_forward(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
     b_weight = lora_B._parameters["weight"]
     lora = F.linear(h, b_weight) if (_bare_linear(lora_B) and lora_B._parameters["bias"] is None) else lora_B(h)
     base_layer = base if "base_layer" not in base._modules else module.get_base_layer()
-    # the norm: a cache hit checked here with _fd_weight_norm's key; anything else through the layer's method
+    # the norm: a cache hit checked here with _fd_weight_norm's key (_local_key); anything else through that method
     norm = None
     cache = mag.__dict__.get("_fastdora_norm")
     hit = cache.get(a) if cache else None
     if hit is not None and opts.cache_norm:
-        akey, bkey, wkey = _tkey(a_weight), _tkey(b_weight), _tkey(_stored_weight(base_layer))
-        if (akey is not None and bkey is not None and wkey is not None
-                and hit[0] == (_distributed.epoch(), wkey, akey, bkey, float(scaling))):
-            active_path_counter["norm:cached"] += 1
+        key, wkey = _local_key(_stored_weight(base_layer), a_weight, b_weight, scaling)
+        if key is not None and wkey is not None and hit[0] == key:
+            record("norm:cached")
             norm = hit[1]
     if norm is None:
         norm = mag._fd_linear_norm(base_layer, lora_A, lora_B, scaling, a)
-    # PEFT's _dora_cache (peft >= 0.19), kept as _fd_peft_cache keeps it
-    dora_cache = mag.__dict__.get("_dora_cache")
-    if dora_cache is not None:
-        if mag.training or not _peft_caching_enabled():
-            if dora_cache:
-                mag._cache_clear()
-        else:
-            mag._cache_store(f"weight-norm-{a}", norm)
-    # dora_compose(result, lora, magnitude, norm, scaling, eps, bias=..., out_dtype=result.dtype, kind="linear")
-    if norm.requires_grad:
-        raise ValueError("fastdora: the weight norm must be detached (DoRA treats it as a constant)")
-    magnitude = mag._parameters["weight"]
-    bias = getattr(base_layer, "bias", None)
-    impl = _dispatch.compose_impl(result, lora, magnitude, bias, None, -1, opts.kernels)
-    active_path_counter[path_key("linear", impl.name)] += 1
-    eps = 1e-6 if x_dtype in _HALF else 1e-12  # eps_for(x_dtype)
-    if not torch.is_grad_enabled():
-        return impl.compose_fwd(result, lora, magnitude, norm, scaling, eps, bias, None, result.dtype, False, -1)[0]
-    return impl.apply(result, lora, magnitude, norm, bias, None, scaling, eps, result.dtype, -1)
+    mag._fd_peft_cache(a, norm)
+    return dora_compose(result, lora, mag._parameters["weight"], norm, scaling, eps_for(x_dtype),
+                        bias=getattr(base_layer, "bias", None), out_dtype=result.dtype, kernels=opts.kernels,
+                        kind="linear")
 
 
 def install_lean_forward(module: nn.Module) -> bool:
