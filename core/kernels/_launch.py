@@ -28,7 +28,7 @@ try:  # pragma: no cover - exercised wherever triton is installed
 except Exception:  # pragma: no cover
     JITFunction = None
 
-__all__ = ["Launcher", "FAST_LAUNCH", "device_ctx", "cdiv", "current_stream"]
+__all__ = ["Launcher", "FAST_LAUNCH", "device_ctx", "cdiv", "current_stream", "capturing"]
 
 _NULL = contextlib.nullcontext()
 
@@ -60,6 +60,14 @@ def current_stream(t: torch.Tensor) -> tuple:
     """``(device index, raw stream)`` of CUDA tensor ``t``'s device's current stream (a cheap identity of it)."""
     idx = t.get_device()
     return idx, _raw_stream(idx)
+
+
+# whether the current CUDA stream is capturing a graph (CPU-only builds have no such binding: never)
+_is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+
+
+def capturing() -> bool:
+    return _is_capturing is not None and _is_capturing()
 
 
 def _fast_launch_supported() -> bool:

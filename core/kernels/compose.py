@@ -401,7 +401,6 @@ _FUSE_REDUCE = True
 # (benchmarks/fused_reduce_probe.py, session 18). None: the compiler's choice
 _BWD_MAXNREG = 128
 _COUNTERS: dict = {}  # (device index, stream) -> int32 program counters, all zero between launches
-_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
 
 
 def _counters(t: torch.Tensor, n: int) -> Optional[torch.Tensor]:
@@ -410,7 +409,7 @@ def _counters(t: torch.Tensor, n: int) -> Optional[torch.Tensor]:
     launches on one stream run one after another, so one set per stream serves every launch. None while a CUDA graph
     is being captured (a graph replayed later may run beside eager launches): the two-kernel reduction then."""
     if t.is_cuda:
-        if _capturing is not None and _capturing():
+        if _launch.capturing():
             return None
         key = _launch.current_stream(t)
     else:

@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 
 from .. import dispatch
+from ..kernels import _launch
 
 __all__ = ["NormGraph", "signature", "capture", "CAPTURE_AFTER"]
 
@@ -41,8 +42,6 @@ CAPTURE_AFTER = 1
 # stream per pool, because the caching allocator reuses a freed block only for allocations on the stream that used
 # it (a fresh stream per capture would keep every layer's temporaries reserved: +0.7 GB at Qwen3-8B x 8 layers)
 _POOLS: dict = {}
-_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _tsig(t: torch.Tensor) -> tuple:
@@ -53,14 +52,12 @@ def signature(weight, weight_src, lora_A, lora_B, scale, base_sq, kernels) -> Op
     """What a norm graph bakes in (None: not graphable here). ``weight`` is the effective weight the norm reads,
     ``weight_src`` the layer's stored parameter (``weight`` must be a view of its storage)."""
     if (
-        _capturing is None
-        or _raw_stream is None
-        or base_sq is None
+        base_sq is None
         or not (weight.is_cuda and lora_A.is_cuda and lora_B.is_cuda and base_sq.is_cuda)
         or base_sq.dtype != torch.float32
         or not base_sq.is_contiguous()
         or torch.compiler.is_compiling()
-        or _capturing()
+        or _launch.capturing()
         or weight.untyped_storage().data_ptr() != weight_src.untyped_storage().data_ptr()
         or not dispatch.triton_available()
     ):
@@ -71,11 +68,10 @@ def signature(weight, weight_src, lora_A, lora_B, scale, base_sq, kernels) -> Op
         return None
     if not kn.supports(weight, lora_A, lora_B):
         return None
-    dev = weight.get_device()
     # storages by address and layout: a graph reads whatever lives at the captured addresses, so matching current
     # tensors at the same addresses with the same layouts is all a replay needs (a recomputed base or a swapped
     # factor elsewhere: another signature, a new capture)
-    return (dev, _raw_stream(dev), _tsig(weight), _tsig(lora_A), _tsig(lora_B), _tsig(base_sq), float(scale))
+    return (*_launch.current_stream(weight), _tsig(weight), _tsig(lora_A), _tsig(lora_B), _tsig(base_sq), float(scale))
 
 
 class NormGraph:
