@@ -171,3 +171,17 @@ def assert_same_grads(ga: dict, gb: dict, dtype, what=""):
     assert ga.keys() == gb.keys(), f"{what}: different parameters got gradients: {ga.keys() ^ gb.keys()}"
     for n in ga:
         assert_close(ga[n], gb[n], dtype, f"{what} grad {n}")
+
+
+def save_inner_flags(monkeypatch, impl) -> list:
+    """The ``save_inner`` argument of every ``impl.compose_fwd`` call (``fastdora.ops.compose.EAGER`` or
+    ``fastdora.kernels.compose.TRITON``), in call order, while ``monkeypatch`` is active."""
+    flags = []
+    real = impl.compose_fwd
+
+    def spy(*args):
+        flags.append(args[9])
+        return real(*args)
+
+    monkeypatch.setattr(impl, "compose_fwd", spy)
+    return flags

@@ -11,6 +11,8 @@ import torch
 import fastdora
 from fastdora.stats import active_path_counter
 
+from .helpers import save_inner_flags
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -152,6 +154,40 @@ def test_lean_forward_bitwise_chain_triton(setup):
             assert _rel(g_l[n], g_c[n]) < 1e-2, (n, _rel(g_l[n], g_c[n]))
 
 
+@pytest.mark.parametrize("setup", ["amp", "pure_bf16"])
+def test_checkpointed_forward_skips_inner_triton(setup, monkeypatch):
+    """Non-reentrant checkpointing on the Triton path: the first forward launches the composition without ``inner``
+    (its saved tensors are discarded), the recomputation with it; loss, logits and every gradient bitwise those of
+    the same model without checkpointing."""
+    from fastdora.kernels import compose as kc
+
+    _, fast = _pair(torch.float32 if setup == "amp" else torch.bfloat16, attn="eager")
+    plain = copy.deepcopy(fast)
+    fast.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    fast.enable_input_require_grads()
+    plain.enable_input_require_grads()
+    flags = save_inner_flags(monkeypatch, kc.TRITON)
+    ids = torch.randint(0, 1000, (2, 256), device="cuda")
+    res = []
+    for m in (plain, fast):
+        m.train()
+        for _ in range(2):  # the second call runs the lean forward (installed by the first)
+            m.zero_grad()
+            flags.clear()
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=setup == "amp"):
+                out = m(input_ids=ids, labels=ids)
+            out.loss.backward()
+        res.append((list(flags), out.loss.detach(), out.logits.detach(),
+                    {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}))
+    (f_p, loss_p, logits_p, g_p), (f_c, loss_c, logits_c, g_c) = res
+    assert f_p == [True] * 14
+    assert f_c.count(False) == 14 and f_c.count(True) == 14 and f_c[:7] == [False] * 7
+    assert torch.equal(loss_p, loss_c) and torch.equal(logits_p, logits_c)
+    assert g_p.keys() == g_c.keys()
+    for n in g_p:
+        assert torch.equal(g_p[n], g_c[n]), n
+
+
 def _mlp_pair(n_layers=3, d=(512, 768, 384, 640), r=32, dtype=torch.bfloat16, adapter_dtype=torch.float32):
     """A stack of bias-free Linear layers with DoRA on all of them: fastdora with / without norm graphs."""
     from peft import LoraConfig, get_peft_model
@@ -169,6 +205,15 @@ def _mlp_pair(n_layers=3, d=(512, 768, 384, 640), r=32, dtype=torch.bfloat16, ad
     fastdora.enable(model, kernels="triton")
     fastdora.enable(eager, kernels="triton", graph_norm=False)
     return model, eager, d[0]
+
+
+def _graph_states(model):
+    """Per layer: "NormGraph", or the count / failure reason of its graph entry (assertion messages)."""
+    out = []
+    for mag in _mags(model):
+        e = mag.__dict__.get("_fastdora_graphs", {}).get("default")
+        out.append(type(e).__name__ if not isinstance(e, tuple) else e[1:])
+    return out
 
 
 def _mags(model):
@@ -291,8 +336,117 @@ def test_norm_graphs_share_one_pool():
         model(x)  # the six captures
     torch.cuda.synchronize()
     grown = torch.cuda.memory_reserved() - r0
-    assert active_path_counter["norm:graph_capture"] >= 6
+    assert active_path_counter["norm:graph_capture"] >= 6, _graph_states(model)
     assert len(norm_graph._POOLS) - len(pools_before) <= 1
     # one layer's norm working set (U-sized partials of 1024 x 64 fp32, G, parts) is well under 8 MB; six separate
     # per-layer reservations would be six times that at least (the caching allocator rounds segments up to 2 MB)
     assert grown <= 8 * 2**20, grown
+
+
+def test_norm_graph_failed_capture_leaves_no_trace(monkeypatch):
+    """A capture that fails (here: a synchronising call inside it) computes that norm eagerly, records
+    ``norm:graph_failed`` with the reason, and leaves the process as it was: CUDA random numbers work (PyTorch leaves
+    the generator in capture mode after a failed capture unless fastdora restores it), the outputs equal the eager
+    model's, and a later capture of the same stream succeeds."""
+    from fastdora.kernels import norm as kn
+
+    model, eager, d_in = _mlp_pair()
+    x = torch.randn(2, 16, d_in, device="cuda", dtype=torch.bfloat16)
+    real = kn._gram_matrix
+
+    def syncing(*args, **kw):
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()  # not permitted while capturing: the capture fails
+        return real(*args, **kw)
+
+    n = len(_mags(model))
+    active_path_counter.clear()
+    for step in range(5):
+        if step == 2:
+            monkeypatch.setattr(kn, "_gram_matrix", syncing)
+        if step == 3:
+            monkeypatch.undo()
+        with torch.no_grad():
+            out, ref = model(x), eager(x)
+        assert torch.equal(out, ref), step
+        if step == 2:
+            assert active_path_counter["norm:graph_failed"] == n, _graph_states(model)
+            states = _graph_states(model)
+            assert all("capturing" in str(s[-1]).lower() or "capture" in str(s[-1]).lower() for s in states), states
+            torch.randn(8, device="cuda")  # the generator is out of capture mode
+            torch.nn.functional.dropout(torch.ones(64, device="cuda"), 0.5)
+        fastdora.invalidate_norm_cache()
+    # a failed layer stays eager (its reason kept); the process keeps capturing other layers' graphs normally
+    torch.cuda.synchronize()
+    assert active_path_counter["norm:graph_capture"] == 0
+    other, other_eager, _ = _mlp_pair()
+    active_path_counter.clear()
+    for _ in range(4):
+        with torch.no_grad():
+            assert torch.equal(other(x), other_eager(x))
+        fastdora.invalidate_norm_cache()
+    assert active_path_counter["norm:graph_capture"] == n, _graph_states(other)
+    assert active_path_counter["norm:graph_replay"] == n
+    torch.randn(8, device="cuda")
+
+
+def test_norm_graph_capture_holds_off_gc(monkeypatch):
+    """Python's cyclic GC is off while a norm graph is captured (a collection there runs unrelated CUDA objects'
+    finalizers inside the capture, which fails it) and back on afterwards."""
+    import gc
+
+    from fastdora.kernels import norm as kn
+
+    model, _, d_in = _mlp_pair()
+    x = torch.randn(2, 16, d_in, device="cuda", dtype=torch.bfloat16)
+    real = kn._gram_matrix
+    seen = []
+
+    def probe(*args, **kw):
+        if torch.cuda.is_current_stream_capturing():
+            seen.append(gc.isenabled())
+        return real(*args, **kw)
+
+    monkeypatch.setattr(kn, "_gram_matrix", probe)
+    assert gc.isenabled()
+    active_path_counter.clear()
+    for _ in range(4):
+        with torch.no_grad():
+            model(x)
+        fastdora.invalidate_norm_cache()
+    assert active_path_counter["norm:graph_capture"] == len(_mags(model))
+    assert seen == [False] * len(_mags(model))
+    assert gc.isenabled()
+
+
+def test_norm_graph_pool_outlives_its_graphs():
+    """Every graph of a stream's shared pool freed (their model deleted), then another model captures into that pool:
+    PyTorch asserts against a capture into a pool with no live graph, so each pool holds an empty keeper graph;
+    every capture succeeds, into the same pool, and CUDA random numbers keep working."""
+    import gc
+
+    from fastdora.ops import norm_graph
+
+    def run(model, x):
+        for _ in range(4):  # base, base cached (eager), capture, replay
+            with torch.no_grad():
+                model(x)
+            fastdora.invalidate_norm_cache()
+
+    first, _, d_in = _mlp_pair()
+    x = torch.randn(2, 16, d_in, device="cuda", dtype=torch.bfloat16)
+    n = len(_mags(first))
+    active_path_counter.clear()
+    run(first, x)
+    assert active_path_counter["norm:graph_capture"] == n, _graph_states(first)
+    pools = {k: v[0] for k, v in norm_graph._POOLS.items()}
+    del first
+    gc.collect()
+    torch.cuda.synchronize()
+    second, _, _ = _mlp_pair()
+    active_path_counter.clear()
+    run(second, x)
+    assert active_path_counter["norm:graph_capture"] == n, _graph_states(second)
+    assert active_path_counter["norm:graph_failed"] == 0
+    assert {k: v[0] for k, v in norm_graph._POOLS.items()} == pools  # the same pool, kept live
+    torch.randn(8, device="cuda")

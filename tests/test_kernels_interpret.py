@@ -189,6 +189,36 @@ else:
             assert a.dtype == b.dtype and a.shape == b.shape
             _envelope(a, b, r, torch.float32 if i == 3 else a.dtype, f"apply output {i}")
 
+    @pytest.mark.parametrize("dname", ["fp32", "bf16", "mixed"])
+    @pytest.mark.parametrize("delta", [False, True], ids=["plain", "delta"])
+    def test_apply_under_checkpoint_skips_inner(dname, delta, monkeypatch):
+        """Non-reentrant checkpointing: the first forward launches the kernel without ``inner`` (discarded), the
+        recomputation with it; outputs and gradients bitwise those of the plain call."""
+        from torch.utils.checkpoint import checkpoint
+
+        rdt, ldt = DTYPES[dname]
+        t = _inputs((3, 5, 17), rdt, ldt, delta, True, seed=3)
+        out_dtype = torch.promote_types(rdt, ldt)
+        from .helpers import save_inner_flags
+
+        flags = save_inner_flags(monkeypatch, kc.TRITON)
+
+        def f(result, lora, mag, bd):
+            return kc.TRITON.apply(result, lora, mag, t["norm"], t["bias"], bd, SCALE, _eps(rdt), out_dtype, -1)
+
+        dy = torch.randn((3, 5, 17), generator=torch.Generator().manual_seed(4)).to(out_dtype)
+        runs = []
+        for ckpt in (False, True):
+            leaves = [t["result"].clone().requires_grad_(True), t["lora"].clone().requires_grad_(True),
+                      t["magnitude"].clone().requires_grad_(True)]
+            bd = t["base_delta"].clone().requires_grad_(True) if delta else None
+            y = checkpoint(f, *leaves, bd, use_reentrant=False) if ckpt else f(*leaves, bd)
+            y.backward(dy)
+            runs.append([y.detach()] + [v.grad for v in leaves] + ([bd.grad] if delta else []))
+        assert flags == [True, False, True]
+        for i, (a, b) in enumerate(zip(*runs)):
+            assert torch.equal(a, b), f"output/grad {i}"
+
     def test_noncontiguous_layouts():
         base = torch.randn(4, 9, 40)
         result = base[:, :, 3:20]  # row stride 40, unit last dim: strided rows, no copy

@@ -306,13 +306,69 @@ def _rowsum_product(a: torch.Tensor, b: torch.Tensor, feature_dim: int, acc: tor
     return out
 
 
+def _checkpoint_discard_codes() -> frozenset:
+    """Code objects of the pack hook that non-reentrant ``torch.utils.checkpoint`` installs around the forward it
+    will recompute: it keeps no reference to what is saved (a placeholder ``_Holder`` and, for its determinism check,
+    the saved tensor's shape / dtype / device). Empty where this torch has no such hook."""
+    try:
+        from torch.utils import checkpoint as _ckpt
+
+        consts = _ckpt._checkpoint_hook.__init__.__code__.co_consts
+    except Exception:  # pragma: no cover - another torch layout: nothing is treated as discarded
+        return frozenset()
+    return frozenset(c for c in consts if getattr(c, "co_name", None) == "pack_hook")
+
+
+_DISCARD_PACK_CODES = _checkpoint_discard_codes()
+_TOP_SAVED_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def saves_discarded() -> bool:
+    """True while what an autograd node saves is dropped unread: the first forward of non-reentrant gradient
+    checkpointing, whose saved tensors the backward takes from the recomputation instead. Only that exact pack hook
+    on top of the saved-tensor hook stack counts (another hook above it, e.g. ``save_on_cpu``, keeps the tensors)."""
+    if _TOP_SAVED_HOOKS is None or not _DISCARD_PACK_CODES:
+        return False
+    hooks = _TOP_SAVED_HOOKS(False)
+    return hooks is not None and getattr(hooks[0], "__code__", None) in _DISCARD_PACK_CODES
+
+
+_PLACEHOLDERS: dict = {}
+
+
+def _inner_placeholder(result: torch.Tensor, lora: torch.Tensor) -> torch.Tensor:
+    """Stands in for ``inner`` where the saved tensor is discarded (:func:`saves_discarded`): same shape, dtype and
+    device (what checkpointing's determinism check compares), no storage of that size, never written -- one
+    activation-sized write less per layer in the checkpointed forward. A zero-stride view, which the backward
+    refuses to read (:func:`_saved_inner`)."""
+    dtype = torch.promote_types(result.dtype, lora.dtype)
+    key = (dtype, result.device)
+    base = _PLACEHOLDERS.get(key)
+    if base is None:
+        base = _PLACEHOLDERS[key] = torch.empty((), dtype=dtype, device=result.device)  # never read
+    return base.expand(result.shape)
+
+
+def _saved_inner(t: torch.Tensor) -> torch.Tensor:
+    if t.dim() and t.stride(-1) == 0 and t.numel() > 1:  # a placeholder reached a backward: never compute with it
+        raise RuntimeError(
+            "fastdora: the composition's saved activation was discarded by gradient checkpointing but its backward "
+            "ran without the recomputed one; please report this (torch " + torch.__version__ + ")"
+        )
+    return t
+
+
 def _forward_into_ctx(ctx, impl, result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, feature_dim):
-    """The composition's forward for an autograd node, and what its backward needs on ``ctx``: ``(y, inner)``."""
+    """The composition's forward for an autograd node, and what its backward needs on ``ctx``: ``(y, inner)``.
+    ``inner`` is a placeholder (not computed) while saved tensors are discarded (:func:`saves_discarded`)."""
     need_dm = magnitude.requires_grad
     need_dbias = bias is not None and bias.requires_grad and base_delta is None
+    discard = need_dm and not torch.compiler.is_compiling() and saves_discarded()
     y, inner = impl.compose_fwd(
-        result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, need_dm, feature_dim
+        result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, need_dm and not discard, feature_dim
     )
+    if discard:
+        inner = _inner_placeholder(result, lora)
     ctx.magnitude = magnitude
     ctx.delta_form = base_delta is not None
     ctx.dtypes = (result.dtype, lora.dtype, None if base_delta is None else base_delta.dtype)
@@ -364,7 +420,7 @@ class _DoraCompose(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        inner = ctx.saved_tensors[0] if ctx.need_dm else None
+        inner = _saved_inner(ctx.saved_tensors[0]) if ctx.need_dm else None
         norm, scale, eps, _, feature_dim, impl = ctx.cfg
         result_dtype, lora_dtype, bd_dtype = ctx.dtypes
         nig = ctx.needs_input_grad
@@ -411,6 +467,8 @@ class _DoraComposeLoraB(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         h, lora_b, inner = ctx.saved_tensors
+        if ctx.need_dm:
+            inner = _saved_inner(inner)
         norm, scale, eps, _, impl = ctx.cfg
         result_dtype, lora_dtype, bd_dtype = ctx.dtypes
         nig = ctx.needs_input_grad

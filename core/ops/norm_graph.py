@@ -21,11 +21,14 @@ A graph is used only where replaying it is exactly the eager computation:
 
 The first recomputation computes ``||W||^2`` too and the first one with a cached base compiles that plan's kernels,
 both eagerly (a capture never compiles); the next one is captured (``CAPTURE_AFTER``) and replayed, and every later
-one replays.
+one replays. A capture that fails leaves that layer eager (``norm:graph_failed``) and the process as it was (see
+``_after_failed_capture``).
 """
 
 from __future__ import annotations
 
+import gc
+import warnings
 from typing import Optional
 
 import torch
@@ -38,9 +41,13 @@ __all__ = ["NormGraph", "signature", "capture", "CAPTURE_AFTER"]
 #: eager recomputations (with a cached base) of a layer before its norm is captured
 CAPTURE_AFTER = 1
 
-# (device index, raw stream) -> (graph memory pool, capture stream) shared by that stream's norm graphs: one capture
-# stream per pool, because the caching allocator reuses a freed block only for allocations on the stream that used
-# it (a fresh stream per capture would keep every layer's temporaries reserved: +0.7 GB at Qwen3-8B x 8 layers)
+# (device index, raw stream) -> (graph memory pool, capture stream, keeper graph) shared by that stream's norm graphs:
+# one capture stream per pool, because the caching allocator reuses a freed block only for allocations on the stream
+# that used it (a fresh stream per capture would keep every layer's temporaries reserved: +0.7 GB at Qwen3-8B x 8
+# layers). The keeper is an empty graph captured into the pool when it is created: PyTorch counts the live graphs of
+# a pool and refuses a capture into a pool whose count fell to zero (an internal assert in the caching allocator's
+# beginAllocateToPool, session 20) -- which happened once every graph of a pool had been freed (a model deleted,
+# graphs replaced) and a later layer captured into the pool kept here.
 _POOLS: dict = {}
 
 
@@ -101,11 +108,18 @@ def capture(sig, weight, lora_A, lora_B, scale, base_sq, budget_bytes):
     out = torch.empty(weight.shape[0], dtype=torch.float32, device=dev)
     entry = _POOLS.get((dev_idx, stream_key))
     if entry is None:  # captures run on a side stream (never the legacy default stream)
-        entry = _POOLS[(dev_idx, stream_key)] = (torch.cuda.graph_pool_handle(), torch.cuda.Stream(dev))
-    pool, side = entry
+        entry = _new_pool(dev)
+        if entry is None:
+            return None, "could not create a graph pool"
+        _POOLS[(dev_idx, stream_key)] = entry
+    pool, side, _ = entry
     graph = torch.cuda.CUDAGraph()
     current = torch.cuda.current_stream(dev)
     side.wait_stream(current)
+    # no cyclic garbage collection inside the capture: a collection runs the finalizers of unreachable objects, and
+    # a CUDA graph freed during a capture fails it (benchmarks/graph_gc_probe.py, free_graph_inside, session 20)
+    gc_on = gc.isenabled()
+    gc.disable()
     try:
         with torch.cuda.stream(side), torch.no_grad(), torch.autocast("cuda", enabled=False):
             graph.capture_begin(pool=pool, capture_error_mode="thread_local")
@@ -114,7 +128,47 @@ def capture(sig, weight, lora_A, lora_B, scale, base_sq, budget_bytes):
             finally:
                 graph.capture_end()
     except Exception as e:  # noqa: BLE001 - an uncapturable call: compute eagerly instead (never an error for the user)
+        current.wait_stream(side)
+        _after_failed_capture(dev, dev_idx, stream_key)
         return None, f"{type(e).__name__}: {e}"
     finally:
-        current.wait_stream(side)
+        if gc_on:
+            gc.enable()
+    current.wait_stream(side)
     return NormGraph(sig, graph, out), None
+
+
+def _empty_capture(graph, stream, pool) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "the CUDA graph is empty"
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            graph.capture_end()
+
+
+def _new_pool(dev: torch.device):
+    """``(pool, capture stream, keeper)``: a fresh graph pool that stays live (its keeper graph) as long as it is
+    kept in ``_POOLS``; None if even the empty capture fails."""
+    pool, side, keeper = torch.cuda.graph_pool_handle(), torch.cuda.Stream(dev), torch.cuda.CUDAGraph()
+    side.wait_stream(torch.cuda.current_stream(dev))
+    try:
+        _empty_capture(keeper, side, pool)
+    except Exception:  # noqa: BLE001
+        _after_failed_capture(dev, None, None)
+        return None
+    return pool, side, keeper
+
+
+def _after_failed_capture(dev: torch.device, dev_idx: Optional[int], stream_key: Optional[int]) -> None:
+    """Leave the process as if no capture had been tried. PyTorch ends a capture's bookkeeping only when
+    ``cudaStreamEndCapture`` succeeds: after a failed one the device's default CUDA generator stays in capture mode
+    (every later random op on the device raises "Offset increment outside graph capture encountered unexpectedly")
+    and the pool stays registered for that capture. So the failed capture's pool and stream are dropped (the next
+    capture of this stream gets fresh ones), and one empty capture on a fresh stream and pool runs the generator's
+    capture prologue and epilogue again, which takes it out of capture mode."""
+    if dev_idx is not None:
+        _POOLS.pop((dev_idx, stream_key), None)
+    try:
+        _empty_capture(torch.cuda.CUDAGraph(), torch.cuda.Stream(dev), torch.cuda.graph_pool_handle())
+    except Exception:  # noqa: BLE001 - nothing more can be done here; the caller computes eagerly
+        pass

@@ -1,0 +1,157 @@
+"""Non-reentrant gradient checkpointing drops what the first forward saves (the backward takes the recomputation's
+tensors): the composition skips computing ``inner`` there and saves a placeholder of the same shape, dtype and
+device instead. Outputs and every gradient stay bitwise those of the same model without checkpointing, and of the
+composition that computes ``inner`` every time; any other saved-tensor hook keeps the real ``inner``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import fastdora
+from fastdora.ops import compose as oc
+
+from .helpers import MLP, assert_close, assert_same_grads, make_pair, model_input, save_inner_flags
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16]
+
+
+@pytest.fixture
+def save_flags(monkeypatch):
+    """The ``save_inner`` argument of every eager composition forward, in call order."""
+    return save_inner_flags(monkeypatch, oc.EAGER)
+
+
+def _run(model, x, mode, seed=5):
+    """Output and gradients (parameters and input) of one weighted-sum loss; ``mode``: None (plain call),
+    ``"ckpt"`` (non-reentrant checkpoint), ``"reentrant"``, ``"cpu_hooks"`` (``save_on_cpu`` inside the checkpoint),
+    ``"hooks"`` (an identity pack hook, no checkpoint)."""
+    model.zero_grad(set_to_none=True)
+    xx = x.detach().clone().requires_grad_(True)
+    torch.manual_seed(seed)  # the dropout masks (checkpoint restores the RNG state for its recomputation)
+    if mode is None:
+        out = model(xx)
+    elif mode == "ckpt":
+        out = checkpoint(model, xx, use_reentrant=False)
+    elif mode == "reentrant":
+        out = checkpoint(model, xx, use_reentrant=True)
+    elif mode == "cpu_hooks":
+        def inner_fn(t):
+            with torch.autograd.graph.save_on_cpu():
+                return model(t)
+
+        out = checkpoint(inner_fn, xx, use_reentrant=False)
+    elif mode == "hooks":
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            out = model(xx)
+    else:  # pragma: no cover
+        raise ValueError(mode)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.dtype)
+    (out * w).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads["input"] = xx.grad.clone()
+    return out.detach(), grads
+
+
+def _bitwise(ga, gb, what):
+    assert ga.keys() == gb.keys(), what
+    for k in ga:
+        assert torch.equal(ga[k], gb[k]), f"{what}: {k} differs (max {(ga[k].double() - gb[k].double()).abs().max()})"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("variant", ["bias", "nobias", "dropout", "fuse_lora_b", "chain"])
+def test_checkpoint_first_forward_skips_inner(save_flags, dtype, variant):
+    kw = {"lora_dropout": 0.3} if variant == "dropout" else {}
+    ref, fast = make_pair(lambda: MLP(bias=variant != "nobias"), dtype=dtype, enable=False, **kw)
+    opts = {"fuse_lora_b": True} if variant == "fuse_lora_b" else {}
+    if variant == "chain":
+        opts["lean_forward"] = False
+    fastdora.enable(fast, kernels="eager", **opts)
+    x = model_input(fast, dtype)
+    n_layers = sum(1 for m in fast.modules() if hasattr(m, "lora_magnitude_vector"))
+
+    save_flags.clear()
+    out_p, g_p = _run(fast, x, None)
+    assert save_flags == [True] * n_layers  # plain training forward: inner computed and saved
+    save_flags.clear()
+    out_c, g_c = _run(fast, x, "ckpt")
+    # first forward: not computed (discarded anyway); the recomputation in the backward: computed
+    assert save_flags == [False] * n_layers + [True] * n_layers
+    assert torch.equal(out_c, out_p)
+    _bitwise(g_c, g_p, "checkpointed vs plain")
+
+    out_r, g_r = _run(ref, x, "ckpt")  # stock PEFT, checkpointed the same way
+    assert_close(out_c, out_r, dtype, "output vs PEFT")
+    assert_same_grads(g_c, g_r, dtype, "checkpointed vs PEFT")
+
+
+@pytest.mark.parametrize("mode", ["cpu_hooks", "hooks", "reentrant"])
+def test_other_saved_tensor_hooks_keep_inner(save_flags, mode):
+    """``save_on_cpu`` inside the checkpoint and a plain hook pair keep what is saved: inner is computed; reentrant
+    checkpointing runs its first forward without grad (no node, nothing saved)."""
+    _, fast = make_pair(MLP, dtype=torch.float32)
+    x = model_input(fast, torch.float32)
+    out_p, g_p = _run(fast, x, None)
+    n = sum(1 for m in fast.modules() if hasattr(m, "lora_magnitude_vector"))
+    save_flags.clear()
+    out_h, g_h = _run(fast, x, mode)
+    if mode in ("cpu_hooks", "hooks"):  # saved through the hook on top (for save_on_cpu: nothing left to recompute)
+        assert save_flags == [True] * n
+    else:  # the no-grad first forward takes the inference path (no inner), then the recomputation saves
+        assert save_flags == [False] * n + [True] * n
+    assert torch.equal(out_h, out_p)
+    _bitwise(g_h, g_p, mode)
+
+
+def test_saves_discarded_only_under_checkpoint_pack_hook():
+    seen = []
+
+    def probe(t):
+        seen.append(oc.saves_discarded())
+        return t * t  # saves t: the backward recomputes
+
+    x = torch.randn(3, requires_grad=True)
+    probe(x)
+    checkpoint(probe, x, use_reentrant=False).sum().backward()  # original forward, then the recomputation
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        probe(x)
+    assert seen == [False, True, False, False]
+
+
+def test_placeholder_never_reaches_a_backward(monkeypatch):
+    """If the detection ever misfired (a placeholder saved where the backward reads it), the backward raises
+    instead of computing a magnitude gradient from it."""
+    _, fast = make_pair(MLP, dtype=torch.float32)
+    x = model_input(fast, torch.float32)
+    monkeypatch.setattr(oc, "saves_discarded", lambda: True)
+    out = fast(x)
+    with pytest.raises(RuntimeError, match="discarded by gradient checkpointing"):
+        out.sum().backward()
+
+
+def test_placeholder_metadata_and_no_storage():
+    r = torch.randn(4, 6, dtype=torch.bfloat16)
+    lo = torch.randn(4, 6, dtype=torch.float32)
+    p = oc._inner_placeholder(r, lo)
+    assert p.shape == r.shape and p.dtype == torch.float32 and p.device == r.device
+    assert p.untyped_storage().nbytes() == 4  # one element (never read), however large the activation
+    assert oc._inner_placeholder(r, lo).untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
+
+
+def test_checkpointed_training_steps_match_plain():
+    """Several optimizer steps with checkpointing: parameters bitwise those of the plain run."""
+    _, a = make_pair(MLP, dtype=torch.float32)
+    b = copy.deepcopy(a)
+    x = model_input(a, torch.float32)
+    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (a, b)]
+    for _ in range(3):
+        for m, opt, mode in ((a, opts[0], None), (b, opts[1], "ckpt")):
+            opt.zero_grad()
+            _run(m, x, mode)
+            opt.step()
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), n
