@@ -155,3 +155,71 @@ def test_checkpointed_training_steps_match_plain():
             opt.step()
     for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(p, q), n
+
+
+def test_hf_model_gradient_checkpointing(save_flags):
+    """A transformers causal LM with its own gradient checkpointing (non-reentrant, per decoder layer): each DoRA
+    layer's first forward skips ``inner``, its recomputation computes it; loss and every gradient bitwise those of
+    the same model without checkpointing."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
+    cfg._attn_implementation = "eager"
+    base = LlamaForCausalLM(cfg)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    plain = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, use_dora=True, init_lora_weights=False,
+                                            target_modules=targets))
+    ckpt = copy.deepcopy(plain)
+    for m in (plain, ckpt):
+        fastdora.enable(m, kernels="eager")
+        m.train()
+    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
+    res = []
+    for m in (plain, ckpt):
+        for _ in range(2):  # the second call runs the lean forward installed by the first
+            m.zero_grad(set_to_none=True)
+            save_flags.clear()
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+        res.append((list(save_flags), loss.detach(),
+                    {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}))
+    (f_p, loss_p, g_p), (f_c, loss_c, g_c) = res
+    assert f_p == [True] * 14
+    assert f_c == [False] * 14 + [True] * 14  # both layers' first forwards, then both recomputations
+    assert torch.equal(loss_p, loss_c)
+    _bitwise(g_c, g_p, "HF checkpointing")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_selective_checkpointing_keeps_inner(save_flags, dtype):
+    """Selective activation checkpointing hands the recomputation the first forward's outputs of the ops its policy
+    saves, matched by op and order: the first forward must run the same ops as the recomputation (the Triton path
+    allocates ``inner`` with ``empty_like``), so under any Python dispatch mode the composition computes ``inner``
+    (no discard). Gradients bitwise those of the plain run."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def save_all(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE
+
+    _, fast = make_pair(lambda: MLP(bias=True), dtype=dtype)
+    x = model_input(fast, dtype)
+    out_p, g_p = _run(fast, x, None)
+    n = sum(1 for m in fast.modules() if hasattr(m, "lora_magnitude_vector"))
+    ctx_fn = functools.partial(create_selective_checkpoint_contexts, save_all)
+    fast.zero_grad(set_to_none=True)
+    xx = x.detach().clone().requires_grad_(True)
+    save_flags.clear()
+    out = checkpoint(fast, xx, use_reentrant=False, context_fn=ctx_fn)
+    assert save_flags == [True] * n  # first forward under SAC's dispatch mode: inner computed
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.dtype)
+    (out * w).sum().backward()
+    g_c = {k: p.grad.clone() for k, p in fast.named_parameters() if p.grad is not None}
+    g_c["input"] = xx.grad.clone()
+    assert torch.equal(out.detach(), out_p)
+    _bitwise(g_c, g_p, "selective checkpointing")

@@ -321,16 +321,21 @@ def _checkpoint_discard_codes() -> frozenset:
 
 _DISCARD_PACK_CODES = _checkpoint_discard_codes()
 _TOP_SAVED_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_DISPATCH_MODES = getattr(torch._C, "_len_torch_dispatch_stack", None)
 
 
 def saves_discarded() -> bool:
     """True while what an autograd node saves is dropped unread: the first forward of non-reentrant gradient
     checkpointing, whose saved tensors the backward takes from the recomputation instead. Only that exact pack hook
-    on top of the saved-tensor hook stack counts (another hook above it, e.g. ``save_on_cpu``, keeps the tensors)."""
+    on top of the saved-tensor hook stack counts (another hook above it, e.g. ``save_on_cpu``, keeps the tensors),
+    and only without a Python dispatch mode: selective activation checkpointing's mode hands the recomputation the
+    first forward's op outputs matched by op and order, so both must run the same ops."""
     if _TOP_SAVED_HOOKS is None or not _DISCARD_PACK_CODES:
         return False
     hooks = _TOP_SAVED_HOOKS(False)
-    return hooks is not None and getattr(hooks[0], "__code__", None) in _DISCARD_PACK_CODES
+    if hooks is None or getattr(hooks[0], "__code__", None) not in _DISCARD_PACK_CODES:
+        return False
+    return _DISPATCH_MODES is not None and _DISPATCH_MODES() == 0
 
 
 _PLACEHOLDERS: dict = {}
