@@ -194,8 +194,9 @@ def test_hf_model_gradient_checkpointing(save_flags):
     _bitwise(g_c, g_p, "HF checkpointing")
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_selective_checkpointing_keeps_inner(save_flags, dtype):
+@pytest.mark.parametrize("dtype,adapter_dtype", [(torch.bfloat16, None), (torch.float32, None),
+                                                 (torch.bfloat16, torch.bfloat16)], ids=["bf16", "fp32", "bf16_all"])
+def test_selective_checkpointing_keeps_inner(save_flags, dtype, adapter_dtype):
     """Selective activation checkpointing hands the recomputation the first forward's outputs of the ops its policy
     saves, matched by op and order: the first forward must run the same ops as the recomputation (the Triton path
     allocates ``inner`` with ``empty_like``), so under any Python dispatch mode the composition computes ``inner``
@@ -207,7 +208,8 @@ def test_selective_checkpointing_keeps_inner(save_flags, dtype):
     def save_all(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE
 
-    _, fast = make_pair(lambda: MLP(bias=True), dtype=dtype)
+    # bf16_all: the eager half-precision path with a bias (its ops must not mutate outputs SAC keeps)
+    _, fast = make_pair(lambda: MLP(bias=True), dtype=dtype, adapter_dtype=adapter_dtype)
     x = model_input(fast, dtype)
     out_p, g_p = _run(fast, x, None)
     n = sum(1 for m in fast.modules() if hasattr(m, "lora_magnitude_vector"))

@@ -224,14 +224,15 @@ def _compose_fwd_half(result, lora, magnitude, norm, scale, eps, bias, base_delt
         return y, (inner if save_inner else None)
     p = result if base_delta is None else base_delta
     y = torch.addcmul(result, p, _rows(coefs.get("gm1", dt), vs))  # result + (g - 1) * p
-    y.addcmul_(lora, _rows(coefs.get("gs", dt), vs))  #              + g * s * lora
+    # out of place (same values as in place): selective activation checkpointing may keep these ops' outputs
+    y = torch.addcmul(y, lora, _rows(coefs.get("gs", dt), vs))  #  + g * s * lora
     inner = None
     if base_delta is None and bias is not None:  # p was result incl. bias: remove (g-1)*bias
-        y.sub_(_rows((coefs.get("gm1") * bias.detach().float()).to(dt), vs))
+        y = torch.sub(y, _rows((coefs.get("gm1") * bias.detach().float()).to(dt), vs))
     if save_inner:
         inner = torch.add(p, lora, alpha=scale)
         if base_delta is None and bias is not None:
-            inner.sub_(_rows(bias.detach().to(dt), vs))
+            inner = torch.sub(inner, _rows(bias.detach().to(dt), vs))
     return y, inner
 
 
