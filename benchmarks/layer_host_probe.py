@@ -13,6 +13,8 @@ rounds):
                       autograd node) and only the three kernel launches (forward, backward, dm reduction) replaced by
                       no-ops: the closest CPU proxy of the kernel path's host cost
 - ``peft_dora``:      stock PEFT DoRA
+- ``fastdora_native`` (``--kpath --native``): the same launches replaced by no-ops, through the C++ composition node
+                      (``fastdora.kernels.native``) instead of the Python autograd node
 - with ``--old-pkg DIR``: ``old_eager`` / ``old_stub``, the same for the fastdora package in ``DIR/fastdora`` (e.g.
   an earlier commit's ``core/``), imported under another name into the same process (before/after, interleaved)
 
@@ -68,6 +70,25 @@ def _stub_impl(oc):
     return stub
 
 
+class _NoopLauncher:
+    """A kernel launcher that launches nothing, shaped like Triton's interpreter path for fastdora.kernels.native
+    (its launch templates then pass tensors to a no-op): the host path with every launch's GPU-side cost removed."""
+
+    fast, interpreted = False, True
+
+    class fn:  # noqa: N801 - stands in for the JIT function: fn[grid](*args, **opts)
+        @staticmethod
+        def __class_getitem__(grid):
+            return _noop
+
+    def __call__(self, *args, **kw):
+        return None
+
+
+def _noop(*args, **kw):
+    return None
+
+
 def worker(a):
     import contextlib
     import importlib
@@ -83,6 +104,9 @@ def worker(a):
         pkgs["old"] = load_package_as(a.old_pkg, "fastdora_old")
     kinds = ("eager", "stub") + (("kpath",) if a.kpath else ())
     variants = ["lora", "peft_dora"] + [f"{label}_{k}" for label in pkgs for k in kinds]
+    native_mod = [None]  # (fastdora.kernels.native, its C++ module) with --native
+    if a.native:
+        variants.append("fastdora_native")
     stub_on = {}  # package label -> [mode]: its dispatch returns the stub / kernel path while that model runs
     for label, pkg in pkgs.items():
         dispatch = importlib.import_module(pkg.__name__ + ".dispatch")
@@ -91,14 +115,18 @@ def worker(a):
         if a.kpath:
             kc = importlib.import_module(pkg.__name__ + ".kernels.compose")
             for launcher in ("_FWD", "_BWD", "_RED"):
-                setattr(kc, launcher, lambda *args, **kw: None)
+                setattr(kc, launcher, _NoopLauncher())
             kpath = kc.TRITON
+            if a.native and label == "fastdora":
+                nat = importlib.import_module(pkg.__name__ + ".kernels.native")
+                native_mod[0] = (nat, nat.node(required=True))
+                nat.NODE = None  # only while the native variant runs
         flag, stub, real = [None], _stub_impl(oc), dispatch.compose_impl
 
         def pick(*args, _flag=flag, _stub=stub, _real=real, _kpath=kpath, **kw):
             if _flag[0] == "stub":
                 return _stub
-            return _kpath if _flag[0] == "kpath" else _real(*args, **kw)
+            return _kpath if _flag[0] in ("kpath", "native") else _real(*args, **kw)
 
         dispatch.compose_impl = pick
         stub_on[label] = flag
@@ -119,9 +147,11 @@ def worker(a):
     def call(v):
         pm = models[v]
         kind = v.rsplit("_", 1)[-1]
-        flag = stub_on.get(v.rsplit("_", 1)[0]) if kind in ("stub", "kpath") else None
+        flag = stub_on.get(v.rsplit("_", 1)[0]) if kind in ("stub", "kpath", "native") else None
         if flag is not None:
             flag[0] = kind
+        if kind == "native":
+            native_mod[0][0].NODE = native_mod[0][1]
         try:
             if a.mode == "train":
                 with ctx():
@@ -133,6 +163,8 @@ def worker(a):
         finally:
             if flag is not None:
                 flag[0] = None
+            if kind == "native":
+                native_mod[0][0].NODE = None
 
     for v in variants:  # warm-up: norms cached, allocator warm
         for _ in range(50):
@@ -160,6 +192,8 @@ def main():
     p.add_argument("--modes", default="train,infer")
     p.add_argument("--old-pkg", default=None, help="a folder holding another fastdora package (before/after)")
     p.add_argument("--kpath", action="store_true", help="add the *_kpath variants (needs Triton importable)")
+    p.add_argument("--native", action="store_true",
+                   help="with --kpath: add fastdora_native (the C++ composition node, launches no-ops)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--d", type=int, default=64)
     p.add_argument("--rank", type=int, default=8)
@@ -176,7 +210,7 @@ def main():
             res = a.out + f".{setup}.{mode}.part"
             cmd = [sys.executable, __file__, "--worker", "--result", res, "--setup", setup, "--mode", mode] + [
                 x for k in ("layers", "d", "rank", "tokens", "rounds", "iters") for x in (f"--{k}", str(getattr(a, k)))
-            ] + (["--old-pkg", os.path.abspath(a.old_pkg)] if a.old_pkg else []) + (["--kpath"] if a.kpath else [])
+            ] + (["--old-pkg", os.path.abspath(a.old_pkg)] if a.old_pkg else []) + (["--kpath"] if a.kpath else []) + (["--native"] if a.native else [])
             subprocess.check_call(cmd)
             with open(res) as f:
                 r = json.load(f)

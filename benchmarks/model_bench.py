@@ -158,6 +158,15 @@ def build_in_process(a, dev, variant):
     return model, info
 
 
+def native_node_info() -> dict:
+    """Whether this process's fastdora ran its composition through the C++ node (fastdora.kernels.native), and
+    how many launches went through its templates / through the Python launchers."""
+    mod = sys.modules.get("fastdora.kernels.native")
+    if mod is None:
+        return {"status": "not imported"}
+    return {"status": mod.status(), **(mod.NODE.stats() if mod.NODE is not None else {})}
+
+
 def _jsonable(obj):
     import dataclasses
     if dataclasses.is_dataclass(obj):
@@ -279,6 +288,7 @@ def run_worker(a):
         rec["infer_peak_alloc_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9
         rec["infer_peak_reserved_gb"] = torch.cuda.max_memory_reserved(dev) / 1e9
     rec["path_counter"] = path_counter()
+    rec["native_node"] = native_node_info()
 
     if a.profile_out:
         rec["profile"] = profile(model, grad_iter, infer, dev, a)

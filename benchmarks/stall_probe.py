@@ -156,7 +156,8 @@ def main():
     meta = {"setup": a.setup, "shape": a.shape, "layers": a.layers, "rank": a.rank, "seq": a.seq, "ga": a.ga,
             "torch": torch.__version__, "cmd": " ".join(sys.argv),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "info": {v: mb._jsonable(r[2]) for v, r in runs.items()}}
+            "info": {v: mb._jsonable(r[2]) for v, r in runs.items()}, "native_node": mb.native_node_info()}
+    print("C++ composition node:", meta["native_node"], flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"meta": meta, "summary": summary, "rows": rows}, f, indent=1, default=str)

@@ -7,6 +7,11 @@ Environment variables (all optional):
 - ``FASTDORA_KERNELS``           default for the ``kernels`` option: ``auto`` (default), ``triton`` or ``eager``.
 - ``FASTDORA_LEGACY_EMBEDDING=1``  default for ``legacy_embedding_compose``.
 - ``FASTDORA_NORM_BUDGET_MB``    default for ``norm_budget_mb`` (working-set budget of the eager factored norm).
+- ``FASTDORA_NATIVE``            the composition's C++ autograd node (``fastdora.kernels.native``): ``auto`` (default:
+                                  built and used on CUDA where a C++ compiler is found, the Python node otherwise),
+                                  ``1`` (required: an error if it cannot be built), ``0`` (never).
+- ``FASTDORA_CACHE_DIR``         where the C++ node is built and cached (default ``$XDG_CACHE_HOME/fastdora`` or
+                                  ``~/.cache/fastdora``); ``CXX``: the C++ compiler (default ``c++``).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import dataclasses
 import os
 from typing import Any
 
-__all__ = ["Options", "make_options", "killed", "env_default"]
+__all__ = ["Options", "make_options", "killed", "env_default", "native_mode", "native_build_env"]
 
 _KERNELS = ("auto", "triton", "eager")
 
@@ -35,6 +40,27 @@ def _env_bool(name: str, default: bool) -> bool:
     if val in ("0", "false", "off", "no"):
         return False
     raise ValueError(f"fastdora: environment variable {name}={raw!r} is not a boolean (use 0 or 1)")
+
+
+def native_mode() -> str:
+    """``FASTDORA_NATIVE``: ``"auto"``, ``"1"`` or ``"0"`` (see the module docstring)."""
+    raw = os.environ.get("FASTDORA_NATIVE", "auto").strip().lower() or "auto"
+    if raw in ("1", "true", "on", "yes"):
+        return "1"
+    if raw in ("0", "false", "off", "no"):
+        return "0"
+    if raw != "auto":
+        raise ValueError(f"fastdora: environment variable FASTDORA_NATIVE={raw!r} is invalid; use auto, 1 or 0")
+    return raw
+
+
+def native_build_env() -> tuple[str, str]:
+    """``(cache directory, C++ compiler)`` for building the C++ composition node."""
+    cache = os.environ.get("FASTDORA_CACHE_DIR", "").strip()
+    if not cache:
+        base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
+        cache = os.path.join(base, "fastdora")
+    return cache, os.environ.get("CXX", "").strip() or "c++"
 
 
 def env_default(name: str) -> Any:

@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any, Optional
 
 from peft.tuners.lora import variants as peft_variants
+import torch
 from torch import nn
 
 from . import config as _config
@@ -43,6 +44,7 @@ class EnableReport:
     process_wide: bool = False
     disabled_reason: Optional[str] = None  # set when nothing was done (kill switch)
     options: Optional[_config.Options] = None
+    native_node: Optional[str] = None  # the composition's C++ autograd node: "active" or why not (kernels/native.py)
 
     @property
     def total_converted(self) -> int:
@@ -78,6 +80,8 @@ class EnableReport:
             )
         if self.options is not None:
             parts.append(f"kernels={self.options.kernels}")
+        if self.native_node is not None:
+            parts.append(f"C++ composition node: {self.native_node}")
         return "fastdora: " + "; ".join(parts)
 
 
@@ -159,11 +163,30 @@ def enable(model: Optional[nn.Module] = None, **options: Any) -> EnableReport:
         _set_peft_globals(True)
         _process_wide = True
         report.process_wide = True
+        report.native_node = _native_node(opts)
         return report
     if not isinstance(model, nn.Module):
         raise TypeError(f"fastdora.enable(model=...) expects a torch.nn.Module, got {type(model).__name__}")
     _convert_model(model, opts, report)
+    report.native_node = _native_node(opts)
     return report
+
+
+def _native_node(opts: _config.Options) -> str:
+    """Build / import the C++ composition node now where it would serve this process (CUDA and Triton present, not
+    ``kernels="eager"``), so its one-time compile happens here rather than in the first training step; its status."""
+    if opts.kernels == "eager":
+        return "not used (kernels='eager')"
+    if not torch.cuda.is_available():
+        return "not used (no CUDA device)"
+    from . import dispatch
+
+    if not dispatch.triton_available():
+        return "not used (Triton not importable)"
+    from .kernels import native
+
+    native.node()
+    return native.status()
 
 
 def disable(model: Optional[nn.Module] = None) -> int:

@@ -158,9 +158,13 @@ def test_lean_forward_bitwise_chain_triton(setup):
 def test_checkpointed_forward_skips_inner_triton(setup, monkeypatch):
     """Non-reentrant checkpointing on the Triton path: the first forward launches the composition without ``inner``
     (its saved tensors are discarded), the recomputation with it; loss, logits and every gradient bitwise those of
-    the same model without checkpointing."""
+    the same model without checkpointing. The Python composition node (whose launcher calls are counted here); the
+    C++ node's: tests/test_native_node.py::test_gpu_peft_model_checkpointed."""
     from fastdora.kernels import compose as kc
+    from fastdora.kernels import native
 
+    monkeypatch.setattr(native, "NODE", None)
+    monkeypatch.setattr(kc, "_NODE_TRIED", [True])
     _, fast = _pair(torch.float32 if setup == "amp" else torch.bfloat16, attn="eager")
     plain = copy.deepcopy(fast)
     fast.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

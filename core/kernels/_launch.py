@@ -28,7 +28,7 @@ try:  # pragma: no cover - exercised wherever triton is installed
 except Exception:  # pragma: no cover
     JITFunction = None
 
-__all__ = ["Launcher", "FAST_LAUNCH", "device_ctx", "cdiv", "current_stream", "capturing"]
+__all__ = ["Launcher", "FAST_LAUNCH", "device_ctx", "cdiv", "current_stream", "capturing", "hooks_active"]
 
 _NULL = contextlib.nullcontext()
 
@@ -104,6 +104,14 @@ def _hook_set(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+def hooks_active() -> bool:
+    """Triton launch hooks are set (a profiler): launches must go through a path that calls them."""
+    if _knobs is None:
+        return False
+    rt = _knobs.runtime
+    return _hook_set(rt.launch_enter_hook) or _hook_set(rt.launch_exit_hook)
+
+
 def _desc_key(d) -> tuple:
     """What a TMA tensor descriptor contributes to a launch's specialisation (superset): the element type, block
     shape, and per shape and stride entry its divisibility by 16."""
@@ -117,20 +125,24 @@ class Launcher:
     ``TensorDescriptor``s, passed as they are), pointer arguments, int arguments, float arguments, constexprs
     (``consts``, in declaration order); ``maxnreg``: Triton's register cap per thread (None: the compiler's choice)."""
 
-    __slots__ = ("fn", "cache", "fast")
+    __slots__ = ("fn", "cache", "fast", "interpreted")
 
     def __init__(self, fn):
         self.fn = fn
         self.cache: dict = {}
         self.fast = FAST_LAUNCH and isinstance(fn, JITFunction)
+        # Triton's interpreter (TRITON_INTERPRET=1): the kernel is no JITFunction (CPU tensors, tests)
+        self.interpreted = JITFunction is not None and not isinstance(fn, JITFunction)
 
     def __call__(self, grid, tensors: tuple, ints: tuple, floats: tuple, consts: tuple, num_warps: int,
                  num_stages: Optional[int] = None, descs: tuple = (), maxnreg: Optional[int] = None):
+        """Launch; returns the ``(CompiledKernel, function, packed metadata)`` entry it launched through on the fast
+        path (None through the JIT: interpreter, old Triton, a compile that returned no kernel)."""
         if len(grid) < 3:
             grid = tuple(grid) + (1,) * (3 - len(grid))
         if not self.fast:
             self._jit(grid, tensors, ints, floats, consts, num_warps, num_stages, descs, maxnreg)
-            return
+            return None
         ptrs = list(map(_data_ptr, tensors))
         key = (
             tuple(map(_dtype_of, tensors)),
@@ -149,9 +161,10 @@ class Launcher:
         entry = self.cache.get(key)
         if entry is None:
             compiled = self._jit(grid, tensors, ints, floats, consts, num_warps, num_stages, descs, maxnreg)
-            if compiled is not None:  # launched and compiled; later calls go straight to it
-                self.cache[key] = (compiled, compiled.function, compiled.packed_metadata)
-            return
+            if compiled is None:
+                return None
+            entry = self.cache[key] = (compiled, compiled.function, compiled.packed_metadata)  # later calls: direct
+            return entry
         compiled, function, packed = entry
         # exactly what ``CompiledKernel.__getitem__(grid)(*args)`` does, minus the closure and driver look-ups; the
         # pointers go as integers (Triton's launcher then skips a ``data_ptr()`` call and a driver pointer query
@@ -164,10 +177,11 @@ class Launcher:
             # which its own launch would call and build a metadata dict for on every launch)
             compiled.run(grid[0], grid[1], grid[2], stream, function, packed, None, None, None,
                          *descs, *ptrs, *ints, *floats, *consts)
-            return
+            return entry
         args = (*descs, *tensors, *ints, *floats, *consts)  # a launch hook (profiler) sees the tensors, as from the JIT
         compiled.run(grid[0], grid[1], grid[2], stream, function, packed, compiled.launch_metadata(grid, stream, *args),
                      enter, exit_, *args)
+        return entry
 
     def _jit(self, grid, tensors, ints, floats, consts, num_warps, num_stages, descs=(), maxnreg=None):
         opts = {"num_warps": num_warps}

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from ..ops import compose as _ops
-from . import _launch
+from . import _launch, native as _native
 
 _cdiv = _launch.cdiv  # module global: one lookup less on the launch path
 
@@ -450,14 +450,17 @@ def compose_fwd(result, lora, magnitude, norm, scale, eps, bias, base_delta, out
     b = _vec(bias) if bias is not None else mag
     block_m, block_n, warps = _fwd_config(M, N, result.device)
     grid = (_cdiv(M, block_m), _cdiv(N, block_n))
+    tensors = (r2, l2, d2, b, mag, nrm, y, i2)
+    ints, consts = (M, N, rs, ls, ds, N, N), (bias is not None, base_delta is not None, bool(save_inner),
+                                               not result.is_cuda, block_m, block_n)
     with _launch.device_ctx(result):
-        _FWD(
-            grid,
-            (r2, l2, d2, b, mag, nrm, y, i2),
-            (M, N, rs, ls, ds, N, N),
-            (float(scale), float(eps)),
-            (bias is not None, base_delta is not None, bool(save_inner), not result.is_cuda, block_m, block_n),
-            warps,
+        entry = _FWD(grid, tensors, ints, (float(scale), float(eps)), consts, warps)
+    if _native.NODE is not None and base_delta is None:  # a launch template for the C++ node
+        _native.register_fwd(
+            _FWD, entry, grid, tensors, ints, (float(scale), float(eps)), consts, warps,
+            (result, lora, bias, magnitude, norm, y, inner),
+            (result.dtype, lora.dtype, out_dtype, magnitude.dtype, norm.dtype, None if bias is None else bias.dtype),
+            save_inner, M, N,
         )
     return y, inner
 
@@ -525,19 +528,14 @@ def compose_bwd(
     counts = _counters(dy, n_col) if (reduce and _FUSE_REDUCE) else None
     dm_out = dm if dm is not None else mag
     db_out = d_bias if d_bias is not None else mag
+    tensors = (dy2, in2, mag, nrm, dres2, dl2, dbd2, part_dm, part_db, dm_out, db_out,
+               counts if counts is not None else mag)
+    ints = (M, N, rows_per_prog, dys, ins, dres_s, dl_s, dbd_s)
+    consts = (bool(delta_form), write_dres, d_lora is not None, bool(need_dm), need_dbias, soft, prefetch,
+              block_m, block_n, _BWD_EVICT, counts is not None, rp if counts is not None else 1)
+    maxnreg = _BWD_MAXNREG if counts is not None else None
     with _launch.device_ctx(dy):
-        _BWD(
-            grid,
-            (dy2, in2, mag, nrm, dres2, dl2, dbd2, part_dm, part_db, dm_out, db_out,
-             counts if counts is not None else mag),
-            (M, N, rows_per_prog, dys, ins, dres_s, dl_s, dbd_s),
-            (float(scale), float(eps)),
-            (bool(delta_form), write_dres, d_lora is not None, bool(need_dm), need_dbias, soft, prefetch,
-             block_m, block_n, _BWD_EVICT, counts is not None, rp if counts is not None else 1),
-            warps,
-            _BWD_STAGES,
-            maxnreg=_BWD_MAXNREG if counts is not None else None,
-        )
+        entry = _BWD(grid, tensors, ints, (float(scale), float(eps)), consts, warps, _BWD_STAGES, maxnreg=maxnreg)
         if reduce and counts is None:
             rb = min(64, _next_pow2(N))
             _RED(
@@ -548,6 +546,15 @@ def compose_bwd(
                 (bool(need_dm), need_dbias, soft, rp, rb),
                 4,
             )
+    if _native.NODE is not None and not (reduce and counts is None) and not delta_form and not need_dbias:
+        _native.register_bwd(  # a launch template for the C++ node
+            _BWD, entry, grid, tensors, ints, (float(scale), float(eps)), consts, warps, _BWD_STAGES, maxnreg,
+            (dy2, in2 if need_dm else None, mag, nrm, d_result if write_dres else None, d_lora,
+             part_dm if need_dm else None, dm, counts),
+            (dy.dtype, inner.dtype if need_dm else None, result_dtype, lora_dtype, magnitude.dtype, norm.dtype),
+            int(write_dres) | int(d_lora is not None) << 1 | int(bool(need_dm)) << 2, M, N, n_parts,
+            n_col if counts is not None else 0,
+        )
     return d_result, d_lora, d_bd, dm, d_bias
 
 
@@ -699,6 +706,22 @@ if AVAILABLE:
                 result, lora, magnitude, norm, bias, base_delta, float(scale), float(eps), out_dtype, save_inner
             )
             return y
+        node = _native.NODE if _native.NODE is not None else _first_node(result)
+        if node is not None and base_delta is None and not _TRANSFORMS_ACTIVE():
+            # the C++ autograd node (fastdora.kernels.native); bias: never trainable here (dispatch sends that eager)
+            placeholder = (_ops._inner_placeholder(result, lora)
+                           if magnitude.requires_grad and _ops.saves_discarded() else None)
+            return node.compose(result, lora, magnitude, norm, bias, float(scale), float(eps), out_dtype, placeholder)
         return _apply_function(result, lora, magnitude, norm, bias, base_delta, scale, eps, out_dtype, feature_dim)
+
+    _NODE_TRIED = [False]
+    _TRANSFORMS_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", None) or (lambda: True)
+
+    def _first_node(result):
+        """The C++ node on the first CUDA training composition (built / imported then); None afterwards if unused."""
+        if _NODE_TRIED[0] or not result.is_cuda:
+            return None
+        _NODE_TRIED[0] = True
+        return _native.node()
 
     TRITON.apply = _apply

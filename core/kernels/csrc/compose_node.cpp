@@ -1,0 +1,458 @@
+// fastdora's composition autograd node in C++ (issue 5: the training step is host-bound on the H200).
+//
+// The Python autograd.Function of fastdora.ops.compose costs tens of microseconds of interpreter time per layer
+// call in the forward and in the backward (its ctx, its launch preparation). This node does the same thing from
+// C++: the forward allocates y (and inner), fills a launch template that the Python launcher registered for the
+// problem's key (shapes, dtypes, flags, device) with this call's data pointers, stream and scalars, and calls
+// Triton's compiled launcher (`CompiledKernel.run`) with it; the backward does the same for the backward kernel.
+// Anything the templates do not cover (first call of a key, unaligned pointers, a CUDA graph capture in the
+// backward, Triton launch hooks, empty problems) goes through the Python launchers (`slow_fwd` / `slow_bwd`, the
+// same functions the Python path runs), which register templates as they go. The kernels, their arguments and the
+// arithmetic are exactly those of the Python path: only who fills the argument list differs.
+//
+// Module functions (Python): configure(...), register(...), clear(), compose(...), stats().
+
+#include <Python.h>
+
+#include <ATen/ops/empty.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <cstring>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// argument roles a template slot can take (kept in sync with fastdora/kernels/native.py)
+enum Role : int {
+  COPY = -1,
+  F_RESULT = 0, F_LORA = 1, F_BIAS = 2, F_MAG = 3, F_NORM = 4, F_Y = 5, F_INNER = 6,
+  B_DY = 10, B_INNER = 11, B_MAG = 12, B_NORM = 13, B_DRES = 14, B_DLORA = 15, B_PART_DM = 16, B_DM = 17,
+  B_COUNTS = 18,
+  STREAM = 30, SCALE = 31, EPS = 32,
+};
+
+// Held through shared_ptr: a call keeps its template alive even if another thread re-registers or clears it while
+// Python code runs in between (the GIL can change hands at any Python call). Created and destroyed with the GIL held.
+struct Template {
+  PyObject* run = nullptr;   // Triton's launcher (owned)
+  PyObject* args = nullptr;  // the argument tuple with this key's constants (owned)
+  std::vector<int> roles;    // per argument: COPY or a role
+  int64_t n_parts = 0;       // backward: rows of the per-row-block partial sums
+  int64_t n_counters = 0;    // backward: program counters needed (0: none)
+  bool tensor_args = false;  // pass tensors instead of data pointers (Triton interpreter, tests)
+  Template(PyObject* r, PyObject* a) : run(r), args(a) {
+    Py_INCREF(run);
+    Py_INCREF(args);
+  }
+  Template(const Template&) = delete;
+  Template& operator=(const Template&) = delete;
+  ~Template() {
+    Py_XDECREF(run);
+    Py_XDECREF(args);
+  }
+};
+using TemplatePtr = std::shared_ptr<const Template>;
+
+struct Key {
+  int64_t v[6];
+  bool operator==(const Key& o) const { return std::memcmp(v, o.v, sizeof v) == 0; }
+};
+struct KeyHash {
+  size_t operator()(const Key& k) const {
+    size_t h = 1469598103934665603ull;
+    for (int64_t x : k.v) h = (h ^ static_cast<size_t>(x)) * 1099511628211ull;
+    return h;
+  }
+};
+
+// never destroyed: a static map's destructor would run after Python's finalisation and DECREF without the GIL
+auto& g_templates = *new std::unordered_map<Key, TemplatePtr, KeyHash>();
+PyObject* g_slow_fwd = nullptr;      // (result, lora, magnitude, norm, bias, scale, eps, out_dtype, save_inner)
+PyObject* g_slow_bwd = nullptr;      // (dy, magnitude, norm, scale, eps, inner, rd, ld, need_dm, need_dres, need_dlora)
+PyObject* g_capturing = nullptr;     // () -> bool: the current CUDA stream is capturing a graph
+PyObject* g_hooks_active = nullptr;  // () -> bool: Triton launch hooks are set (the Python launcher serves them)
+PyObject* g_counters = nullptr;      // (dy, n) -> zeroed int32 program counters of dy's current stream
+int64_t g_fast = 0, g_slow = 0;      // launches through templates / through the Python launchers
+bool g_host_templates = false;       // tests: compiled-launcher templates on CPU tensors (their argument layout)
+
+inline int64_t st(const at::Tensor& t) { return t.defined() ? static_cast<int64_t>(t.scalar_type()) : 63; }
+inline int64_t st(at::ScalarType s) { return static_cast<int64_t>(s); }
+
+Key fwd_key(const at::Tensor& r, const at::Tensor& l, at::ScalarType out, const at::Tensor& m, const at::Tensor& n,
+            const at::Tensor& b, bool save_inner, int64_t M, int64_t N) {
+  int64_t dt = st(r) | st(l) << 6 | st(out) << 12 | st(m) << 18 | st(n) << 24 | st(b) << 30;
+  int64_t dev = r.is_cuda() ? r.get_device() : -1;
+  return Key{{0, M, N, dt, dev, save_inner ? 1 : 0}};
+}
+
+Key bwd_key(const at::Tensor& dy, const at::Tensor& inner, at::ScalarType rd, at::ScalarType ld, const at::Tensor& m,
+            const at::Tensor& n, bool need_dres, bool need_dlora, bool need_dm, int64_t M, int64_t N) {
+  int64_t dt = st(dy) | st(inner) << 6 | st(rd) << 12 | st(ld) << 18 | st(m) << 24 | st(n) << 30;
+  int64_t dev = dy.is_cuda() ? dy.get_device() : -1;
+  return Key{{1, M, N, dt, dev, (need_dres ? 1 : 0) | (need_dlora ? 2 : 0) | (need_dm ? 4 : 0)}};
+}
+
+[[noreturn]] void throw_py() {  // the pending Python error, as the exception autograd / HANDLE_TH_ERRORS rethrow
+  python_error err;
+  err.persist();
+  throw std::move(err);
+}
+
+PyObject* wrap(const at::Tensor& t) {
+  if (!t.defined()) Py_RETURN_NONE;
+  return THPVariable_Wrap(t);
+}
+
+at::Tensor unwrap(PyObject* o) {
+  if (o == Py_None) return at::Tensor();
+  if (!THPVariable_Check(o)) {
+    PyErr_SetString(PyExc_TypeError, "fastdora native node: expected a tensor or None");
+    throw_py();
+  }
+  return THPVariable_Unpack(o);
+}
+
+// The result of a Python fallback call (a new reference or null): its n tensors (None: undefined).
+std::vector<at::Tensor> fallback_result(PyObject* r, Py_ssize_t n, const char* what) {
+  if (!r) throw_py();
+  std::vector<at::Tensor> out;
+  const bool ok = PyTuple_Check(r) && PyTuple_GET_SIZE(r) == n;
+  for (Py_ssize_t i = 0; ok && i < n; ++i) {
+    PyObject* o = PyTuple_GET_ITEM(r, i);
+    if (o != Py_None && !THPVariable_Check(o)) break;
+    out.push_back(o == Py_None ? at::Tensor() : THPVariable_Unpack(o));
+  }
+  Py_DECREF(r);
+  if (static_cast<Py_ssize_t>(out.size()) != n) {
+    PyErr_Format(PyExc_TypeError, "fastdora native node: %s must return %zd tensors or None", what, n);
+    throw_py();
+  }
+  return out;
+}
+
+bool call_bool(PyObject* fn) {
+  PyObject* r = PyObject_CallNoArgs(fn);
+  if (!r) throw_py();
+  int v = PyObject_IsTrue(r);
+  Py_DECREF(r);
+  if (v < 0) throw_py();
+  return v != 0;
+}
+
+// a plain strided tensor with storage (no wrapper subclass) whose data pointer is 16-byte aligned
+bool aligned(const at::Tensor& t) {
+  return t.layout() == c10::kStrided && t.has_storage() && (reinterpret_cast<uintptr_t>(t.data_ptr()) & 15) == 0;
+}
+
+bool row_major(const at::Tensor& t, int64_t N) { return t.is_contiguous() && t.dim() >= 1 && t.size(-1) == N; }
+bool vec_ok(const at::Tensor& t, int64_t N) { return t.is_contiguous() && t.numel() == N; }
+
+// Fill a template with this call's tensors (by role) and scalars and launch it. Needs the GIL.
+void launch(const Template& tp, const at::Tensor* by_role, double scale, double eps, const at::Tensor& on) {
+  const Py_ssize_t n = PyTuple_GET_SIZE(tp.args);
+  PyObject* a = PyTuple_New(n);
+  if (!a) throw_py();
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const int role = tp.roles[i];
+    PyObject* v;
+    if (role == COPY) {
+      v = PyTuple_GET_ITEM(tp.args, i);
+      Py_INCREF(v);
+    } else if (role == STREAM) {
+      if (on.is_cuda()) {
+        c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+        v = PyLong_FromVoidPtr(impl.getStream(on.device()).native_handle());
+      } else {
+        v = Py_None;
+        Py_INCREF(v);
+      }
+    } else if (role == SCALE) {
+      v = PyFloat_FromDouble(scale);
+    } else if (role == EPS) {
+      v = PyFloat_FromDouble(eps);
+    } else {
+      const at::Tensor& t = by_role[role];
+      v = tp.tensor_args ? THPVariable_Wrap(t) : PyLong_FromUnsignedLongLong(
+          static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(t.data_ptr())));
+    }
+    if (!v) {
+      Py_DECREF(a);
+      throw_py();
+    }
+    PyTuple_SET_ITEM(a, i, v);
+  }
+  PyObject* r = PyObject_Call(tp.run, a, nullptr);
+  Py_DECREF(a);
+  if (!r) throw_py();
+  Py_DECREF(r);
+  ++g_fast;
+}
+
+struct Extra {  // the node's non-differentiable inputs
+  at::Tensor norm, bias, placeholder;
+  double scale, eps;
+  at::ScalarType out_dtype;
+};
+
+struct GIL {
+  PyGILState_STATE s;
+  GIL() : s(PyGILState_Ensure()) {}
+  ~GIL() { PyGILState_Release(s); }
+};
+
+struct ComposeNode : public torch::autograd::Function<ComposeNode> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& result, const at::Tensor& lora,
+                            const at::Tensor& magnitude, const Extra& ex) {
+    const bool need_dm = magnitude.requires_grad();
+    const bool discard = ex.placeholder.defined();
+    const bool save_inner = need_dm && !discard;
+    at::Tensor y, inner;
+    const int64_t N = result.dim() ? result.size(-1) : 1;
+    const int64_t M = N ? result.numel() / N : 0;
+    TemplatePtr tp;
+    if (M > 0 && N > 0 && row_major(result, N) && lora.sizes() == result.sizes() && row_major(lora, N) &&
+        vec_ok(magnitude, N) && vec_ok(ex.norm, N) && (!ex.bias.defined() || vec_ok(ex.bias, N)) &&
+        aligned(result) && aligned(lora) && aligned(magnitude) && aligned(ex.norm) &&
+        (!ex.bias.defined() || aligned(ex.bias))) {
+      auto it = g_templates.find(fwd_key(result, lora, ex.out_dtype, magnitude, ex.norm, ex.bias, save_inner, M, N));
+      if (it != g_templates.end() && (result.is_cuda() || it->second->tensor_args || g_host_templates))
+        tp = it->second;
+    }
+    if (tp && !call_bool(g_hooks_active)) {
+      y = at::empty(result.sizes(), result.options().dtype(ex.out_dtype));
+      if (save_inner)
+        inner = at::empty(result.sizes(), result.options().dtype(c10::promoteTypes(result.scalar_type(),
+                                                                                   lora.scalar_type())));
+      at::Tensor roles[7] = {result, lora, ex.bias.defined() ? ex.bias : magnitude, magnitude, ex.norm, y,
+                             save_inner ? inner : y};
+      c10::OptionalDeviceGuard guard;
+      if (result.is_cuda()) guard.reset_device(result.device());
+      launch(*tp, roles, ex.scale, ex.eps, result);
+    } else {
+      ++g_slow;
+      // "N": new references handed over (the wrapped tensors); "O": borrowed (getTHPDtype's dtype objects, bools)
+      PyObject* r = PyObject_CallFunction(
+          g_slow_fwd, "NNNNNddOO", wrap(result), wrap(lora), wrap(magnitude), wrap(ex.norm), wrap(ex.bias), ex.scale,
+          ex.eps, reinterpret_cast<PyObject*>(torch::getTHPDtype(ex.out_dtype)), save_inner ? Py_True : Py_False);
+      auto out = fallback_result(r, 2, "slow_fwd");
+      y = out[0];
+      inner = out[1];
+    }
+    if (discard) inner = ex.placeholder;
+    ctx->saved_data["m"] = magnitude;
+    ctx->saved_data["n"] = ex.norm;
+    ctx->saved_data["s"] = ex.scale;
+    ctx->saved_data["e"] = ex.eps;
+    ctx->saved_data["rd"] = st(result);
+    ctx->saved_data["ld"] = st(lora);
+    ctx->saved_data["dm"] = need_dm;
+    if (need_dm) ctx->save_for_backward({inner});
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const bool need_dres = ctx->needs_input_grad(0), need_dlora = ctx->needs_input_grad(1);
+    const bool need_dm = ctx->saved_data["dm"].toBool() && ctx->needs_input_grad(2);
+    at::Tensor d_result, d_lora, dm;
+    if (!(need_dres || need_dlora || need_dm)) return {d_result, d_lora, dm, at::Tensor()};
+    at::Tensor inner;
+    if (ctx->saved_data["dm"].toBool()) {
+      inner = ctx->get_saved_variables()[0];
+      if (inner.dim() && inner.stride(-1) == 0 && inner.numel() > 1)
+        TORCH_CHECK(false, "fastdora: the composition's saved activation was discarded by gradient checkpointing "
+                           "but its backward ran without the recomputed one; please report this");
+    }
+    const at::Tensor magnitude = ctx->saved_data["m"].toTensor();
+    const at::Tensor norm = ctx->saved_data["n"].toTensor();
+    const double scale = ctx->saved_data["s"].toDouble(), eps = ctx->saved_data["e"].toDouble();
+    const auto rd = static_cast<at::ScalarType>(ctx->saved_data["rd"].toInt());
+    const auto ld = static_cast<at::ScalarType>(ctx->saved_data["ld"].toInt());
+    const at::Tensor dy = grads[0].contiguous();
+    const int64_t N = dy.dim() ? dy.size(-1) : 1;
+    const int64_t M = N ? dy.numel() / N : 0;
+    GIL gil;
+    TemplatePtr tp;  // released before the GIL (declared after it)
+    if (M > 0 && N > 0 && row_major(dy, N) && vec_ok(magnitude, N) && vec_ok(norm, N) && aligned(dy) &&
+        aligned(magnitude) && aligned(norm) &&
+        (!need_dm || (inner.sizes() == dy.sizes() && row_major(inner, N) && aligned(inner)))) {
+      auto it = g_templates.find(bwd_key(dy, need_dm ? inner : at::Tensor(), rd, ld, magnitude, norm, need_dres,
+                                         need_dlora, need_dm, M, N));
+      if (it != g_templates.end() && (dy.is_cuda() || it->second->tensor_args || g_host_templates))
+        tp = it->second;
+    }
+    if (tp && ((dy.is_cuda() && call_bool(g_capturing)) || call_bool(g_hooks_active))) tp.reset();
+    at::Tensor counts;
+    if (tp && tp->n_counters > 0) {
+      PyObject* c = PyObject_CallFunction(g_counters, "NL", wrap(dy), static_cast<long long>(tp->n_counters));
+      if (!c) throw_py();
+      if (c == Py_None) {
+        tp.reset();  // no counters here: the Python launcher's two-kernel reduction
+      } else {
+        counts = unwrap(c);
+      }
+      Py_DECREF(c);
+    }
+    if (tp) {
+      if (need_dres) d_result = at::empty(dy.sizes(), dy.options().dtype(rd));
+      if (need_dlora) d_lora = at::empty(dy.sizes(), dy.options().dtype(ld));
+      at::Tensor part;
+      if (need_dm) {
+        dm = at::empty(magnitude.sizes(), magnitude.options());
+        part = at::empty({tp->n_parts, N}, dy.options().dtype(at::kFloat));
+      }
+      at::Tensor roles[19];
+      roles[B_DY] = dy;
+      roles[B_INNER] = need_dm ? inner : dy;
+      roles[B_MAG] = magnitude;
+      roles[B_NORM] = norm;
+      roles[B_DRES] = need_dres ? d_result : dy;
+      roles[B_DLORA] = need_dlora ? d_lora : dy;
+      roles[B_PART_DM] = need_dm ? part : magnitude;
+      roles[B_DM] = need_dm ? dm : magnitude;
+      roles[B_COUNTS] = counts.defined() ? counts : magnitude;
+      c10::OptionalDeviceGuard guard;
+      if (dy.is_cuda()) guard.reset_device(dy.device());
+      launch(*tp, roles, scale, eps, dy);
+    } else {
+      ++g_slow;
+      PyObject* r = PyObject_CallFunction(
+          g_slow_bwd, "NNNddNOOOOO", wrap(dy), wrap(magnitude), wrap(norm), scale, eps, wrap(inner),
+          reinterpret_cast<PyObject*>(torch::getTHPDtype(rd)), reinterpret_cast<PyObject*>(torch::getTHPDtype(ld)),
+          need_dm ? Py_True : Py_False, need_dres ? Py_True : Py_False, need_dlora ? Py_True : Py_False);
+      auto out = fallback_result(r, 3, "slow_bwd");
+      d_result = out[0];
+      d_lora = out[1];
+      dm = out[2];
+    }
+    return {need_dres ? d_result : at::Tensor(), need_dlora ? d_lora : at::Tensor(), need_dm ? dm : at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+PyObject* py_configure(PyObject*, PyObject* args) {
+  PyObject *f, *b, *c, *h, *k;
+  if (!PyArg_ParseTuple(args, "OOOOO", &f, &b, &c, &h, &k)) return nullptr;
+  PyObject** slots[5] = {&g_slow_fwd, &g_slow_bwd, &g_capturing, &g_hooks_active, &g_counters};
+  PyObject* vals[5] = {f, b, c, h, k};
+  for (int i = 0; i < 5; ++i) {
+    Py_INCREF(vals[i]);
+    Py_XDECREF(*slots[i]);
+    *slots[i] = vals[i];
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* py_clear(PyObject*, PyObject*) {
+  g_templates.clear();
+  g_fast = g_slow = 0;
+  Py_RETURN_NONE;
+}
+
+PyObject* py_host_templates(PyObject*, PyObject* arg) {
+  int v = PyObject_IsTrue(arg);
+  if (v < 0) return nullptr;
+  g_host_templates = v != 0;
+  Py_RETURN_NONE;
+}
+
+PyObject* py_stats(PyObject*, PyObject*) {
+  return Py_BuildValue("{s:L,s:L,s:n}", "fast", static_cast<long long>(g_fast), "slow",
+                       static_cast<long long>(g_slow), "templates", static_cast<Py_ssize_t>(g_templates.size()));
+}
+
+at::ScalarType dtype_of(PyObject* o) {
+  if (!THPDtype_Check(o)) {
+    PyErr_SetString(PyExc_TypeError, "fastdora native node: expected a torch.dtype");
+    throw_py();
+  }
+  return reinterpret_cast<THPDtype*>(o)->scalar_type;
+}
+
+// register(direction, M, N, dtypes, device, flags, run, args, roles, n_parts, n_counters, tensor_args)
+//   forward:  dtypes = (result, lora, out, magnitude, norm, bias or None), flags = save_inner
+//   backward: dtypes = (dy, inner or None, result, lora, magnitude, norm), flags = dres | dlora << 1 | dm << 2
+PyObject* py_register(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
+  int direction, tensor_args;
+  long long M, N, dev, flags, n_parts, n_counters;
+  PyObject *dtypes, *run, *targs, *roles;
+  if (!PyArg_ParseTuple(args, "iLLO!LLOO!O!LLp", &direction, &M, &N, &PyTuple_Type, &dtypes, &dev, &flags, &run,
+                        &PyTuple_Type, &targs, &PyTuple_Type, &roles, &n_parts, &n_counters, &tensor_args))
+    return nullptr;
+  if (PyTuple_GET_SIZE(dtypes) != 6 || PyTuple_GET_SIZE(roles) != PyTuple_GET_SIZE(targs)) {
+    PyErr_SetString(PyExc_ValueError, "fastdora native node: bad template");
+    return nullptr;
+  }
+  int64_t d[6];
+  for (int i = 0; i < 6; ++i) {
+    PyObject* o = PyTuple_GET_ITEM(dtypes, i);
+    d[i] = o == Py_None ? 63 : st(dtype_of(o));
+  }
+  int64_t dt = d[0] | d[1] << 6 | d[2] << 12 | d[3] << 18 | d[4] << 24 | d[5] << 30;
+  Key key{{direction ? 1 : 0, M, N, dt, dev, flags}};
+  auto tp = std::make_shared<Template>(run, targs);
+  tp->roles.reserve(PyTuple_GET_SIZE(roles));
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(roles); ++i) {
+    long r = PyLong_AsLong(PyTuple_GET_ITEM(roles, i));
+    if (r == -1 && PyErr_Occurred()) return nullptr;
+    const bool tensor_role = direction ? (r >= B_DY && r <= B_COUNTS) : (r >= F_RESULT && r <= F_INNER);
+    if (!(r == COPY || tensor_role || (r >= STREAM && r <= EPS))) {
+      PyErr_Format(PyExc_ValueError, "fastdora native node: bad template role %ld", r);
+      return nullptr;
+    }
+    tp->roles.push_back(static_cast<int>(r));
+  }
+  tp->n_parts = n_parts;
+  tp->n_counters = n_counters;
+  tp->tensor_args = tensor_args != 0;
+  g_templates[key] = std::move(tp);  // a replaced template lives on while a call still holds it
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+// compose(result, lora, magnitude, norm, bias, scale, eps, out_dtype, placeholder) -> y (autograd-aware)
+PyObject* py_compose(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  HANDLE_TH_ERRORS
+  if (n != 9) {
+    PyErr_SetString(PyExc_TypeError, "fastdora native node: compose takes 9 arguments");
+    return nullptr;
+  }
+  Extra ex;
+  ex.norm = unwrap(a[3]);
+  ex.bias = unwrap(a[4]);
+  ex.scale = PyFloat_AsDouble(a[5]);
+  ex.eps = PyFloat_AsDouble(a[6]);
+  if (PyErr_Occurred()) return nullptr;
+  ex.out_dtype = dtype_of(a[7]);
+  ex.placeholder = unwrap(a[8]);
+  at::Tensor y = ComposeNode::apply(unwrap(a[0]), unwrap(a[1]), unwrap(a[2]), ex);
+  return THPVariable_Wrap(y);
+  END_HANDLE_TH_ERRORS
+}
+
+PyMethodDef methods[] = {
+    {"configure", py_configure, METH_VARARGS, "configure(slow_fwd, slow_bwd, capturing, hooks_active, counters)"},
+    {"register", py_register, METH_VARARGS, "register a launch template"},
+    {"clear", py_clear, METH_NOARGS, "drop every template and reset the counters"},
+    {"testing_host_templates", py_host_templates, METH_O,
+     "tests only: let compiled-launcher templates serve CPU tensors (to check their argument layout)"},
+    {"stats", py_stats, METH_NOARGS, "{'fast': launches through templates, 'slow': through Python, 'templates'}"},
+    {"compose", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_compose)), METH_FASTCALL,
+     "compose(result, lora, magnitude, norm, bias, scale, eps, out_dtype, placeholder) -> y"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "fastdora_compose_node", nullptr, -1, methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit_fastdora_compose_node(void) { return PyModule_Create(&module_def); }

@@ -1,0 +1,479 @@
+"""The composition's C++ autograd node (``fastdora.kernels.native``) against the Python node it replaces.
+
+The node launches the same Triton kernels with the same arguments as the Python ``autograd.Function``; every output
+and gradient must be bitwise equal to the Python node's (which tests/test_kernels_interpret.py and
+tests/test_kernels_gpu.py compare with the eager and fp64 references), on the template path (a key's later calls)
+and on the Python fallback (first calls, unaligned or strided inputs). CPU: the kernels run in Triton's interpreter
+(``TRITON_INTERPRET=1``, this module re-runs itself in a subprocess with it set), where templates pass tensors
+instead of pointers to the same launch code. GPU tests (``-m gpu``): the compiled launcher, PEFT models under AMP and
+pure bf16, gradient checkpointing.
+
+The extension is built into a temporary ``FASTDORA_CACHE_DIR`` with the C++ compiler (``c++``): a missing compiler
+fails these tests (``FASTDORA_NATIVE=1``), as it would leave the node untested.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fastdora import config as _config
+
+_INNER = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _node_env(tmp: str) -> dict:
+    return dict(os.environ, FASTDORA_CACHE_DIR=tmp, FASTDORA_NATIVE="1", PYTHONUNBUFFERED="1")
+
+
+# ---------------------------------------------------------------------------------------------- parent-level tests
+
+if not _INNER:
+
+    @pytest.fixture(scope="module")
+    def cache_dir(tmp_path_factory):
+        """One build for this module: the interpreter suite's subprocess builds, the layout test imports it."""
+        return str(tmp_path_factory.mktemp("fastdora_cache"))
+
+    def test_interpreter_suite(cache_dir):
+        pytest.importorskip("triton")
+        env = dict(_node_env(cache_dir), TRITON_INTERPRET="1")
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", os.path.abspath(__file__)],
+            env=env, capture_output=True, text=True, timeout=1200,
+        )
+        assert proc.returncode == 0, f"native-node interpreter suite failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
+
+    def test_native_mode_parsing(monkeypatch):
+        for raw, want in (("", "auto"), ("auto", "auto"), ("1", "1"), ("on", "1"), ("0", "0"), ("off", "0")):
+            monkeypatch.setenv("FASTDORA_NATIVE", raw)
+            assert _config.native_mode() == want
+        monkeypatch.setenv("FASTDORA_NATIVE", "sometimes")
+        with pytest.raises(ValueError, match="FASTDORA_NATIVE"):
+            _config.native_mode()
+
+    def test_build_env(monkeypatch, tmp_path):
+        monkeypatch.setenv("FASTDORA_CACHE_DIR", str(tmp_path))
+        monkeypatch.setenv("CXX", "my-c++")
+        assert _config.native_build_env() == (str(tmp_path), "my-c++")
+        monkeypatch.delenv("FASTDORA_CACHE_DIR")
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+        assert _config.native_build_env()[0] == str(tmp_path / "x" / "fastdora")
+
+    class _FakeCompiled:
+        """Stands in for Triton's ``CompiledKernel``: records the arguments of every ``run`` call."""
+
+        function, packed_metadata = 0xF00D, ("packed",)
+
+        def __init__(self):
+            self.calls = []
+
+        def run(self, *args):
+            self.calls.append(args)
+
+        def launch_metadata(self, *args):
+            return None
+
+    def test_compiled_template_argument_layout(cache_dir, monkeypatch):
+        """The C++ node's launches through a compiled-launcher template pass Triton's launcher exactly the arguments
+        the Python launcher (``_launch.Launcher``'s direct path) passes for the same call: grid, function, metadata,
+        the same tensor in every pointer slot, ints, scalars, constexprs (CPU: a fake compiled kernel records both;
+        the stream slot is the current CUDA stream on a GPU, None here)."""
+        pytest.importorskip("triton")
+        monkeypatch.setenv("FASTDORA_CACHE_DIR", cache_dir)
+        monkeypatch.setenv("FASTDORA_NATIVE", "1")
+        from fastdora.kernels import _launch
+        from fastdora.kernels import compose as kc
+        from fastdora.kernels import native
+
+        if not (kc._FWD.fast and kc._BWD.fast):
+            pytest.skip("this Triton has no direct launch path")
+        fakes = {}
+
+        def fake_jit(self, grid, tensors, *rest, **kw):  # the first launch of a key "compiles"
+            return fakes.setdefault(id(self), _FakeCompiled())
+
+        monkeypatch.setattr(_launch.Launcher, "_jit", fake_jit)
+        monkeypatch.setattr(_launch, "_raw_stream", lambda idx: 1234)
+        for launcher in (kc._FWD, kc._BWD):
+            monkeypatch.setattr(launcher, "cache", {})
+        saved_node = native.NODE
+        mod = native.node(required=True)
+        mod.testing_host_templates(True)
+        try:
+            for dname in ("fp32", "mixed", "bf16"):
+                for bias in (False, True):
+                    rdt, ldt = DTYPES[dname]
+                    prob = _problem((24, 48), rdt, ldt, bias, "cpu", seed=4)
+                    known = {t.data_ptr(): name for name, t in zip(("result", "lora", "mag", "norm", "bias", "dy"),
+                                                                    prob) if t is not None}
+                    _run(kc, native, True, prob, rdt)  # registers this key's templates (through the fake compile)
+                    recs = {}
+                    for use_node in (False, True):
+                        for f in fakes.values():
+                            f.calls.clear()
+                        fast = mod.stats()["fast"]
+                        _run(kc, native, use_node, prob, rdt)
+                        if use_node:
+                            assert mod.stats()["fast"] == fast + 2, "templates not used"
+                        for c in kc._COUNTERS.values():
+                            known[c.data_ptr()] = "counters"
+                        recs[use_node] = [call for f in (fakes[id(kc._FWD)], fakes[id(kc._BWD)]) for call in f.calls]
+                    py, cpp = recs[False], recs[True]
+                    assert len(py) == len(cpp) == 2, (len(py), len(cpp))
+                    for (a, b), what in zip(zip(py, cpp), ("forward", "backward")):
+                        assert len(a) == len(b), what
+                        n_ptr = 8 if what == "forward" else 12
+                        for i, (x, y) in enumerate(zip(a, b)):
+                            if i == 3:
+                                assert x == 1234 and y is None, (what, i, x, y)  # the stream slot
+                            elif 9 <= i < 9 + n_ptr:  # pointer slots: the same input, or both a fresh output
+                                lx, ly = known.get(x, "fresh"), known.get(y, "fresh")
+                                assert lx == ly, f"{dname} bias={bias} {what} slot {i}: {lx} vs {ly}"
+                            else:
+                                assert type(x) is type(y) and x == y, f"{dname} bias={bias} {what} arg {i}: {x} vs {y}"
+        finally:
+            mod.testing_host_templates(False)
+            mod.clear()
+            native.NODE = saved_node
+
+    @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only report")
+    def test_enable_report_names_the_node_cpu():
+        import fastdora
+        from torch import nn
+        from peft import LoraConfig, get_peft_model
+
+        pm = get_peft_model(nn.Sequential(nn.Linear(8, 8)), LoraConfig(r=2, target_modules=["0"], use_dora=True))
+        rep = fastdora.enable(pm)
+        assert rep.native_node == "not used (no CUDA device)" and "C++ composition node: not used" in str(rep)
+        assert fastdora.enable(pm, kernels="eager").native_node == "not used (kernels='eager')"
+
+    def _child(code: str, env: dict) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+
+    def test_unbuildable_node_reports_why(tmp_path):
+        """No compiler: ``auto`` keeps the Python node and says why; ``FASTDORA_NATIVE=1`` raises, naming it."""
+        pytest.importorskip("triton")
+        env = dict(_node_env(str(tmp_path)), CXX=str(tmp_path / "no-such-compiler"), FASTDORA_NATIVE="auto")
+        code = ("import fastdora.kernels.native as n\n"
+                "assert n.node() is None and n.NODE is None\n"
+                "print('STATUS', n.status())\n")
+        proc = _child(code, env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "STATUS unavailable" in proc.stdout and "no-such-compiler" in proc.stdout
+        proc = _child("import fastdora.kernels.native as n; n.node()", dict(env, FASTDORA_NATIVE="1"))
+        assert proc.returncode != 0 and "C++ composition node is unavailable" in proc.stderr
+        proc = _child("import fastdora.kernels.native as n; assert n.node() is None; print(n.status())",
+                      dict(env, FASTDORA_NATIVE="0"))
+        assert proc.returncode == 0 and "FASTDORA_NATIVE=0" in proc.stdout
+
+
+# ------------------------------------------------------------------------------ shared: the bitwise A/B machinery
+
+if _INNER or torch.cuda.is_available():
+    pytest.importorskip("triton")
+
+
+def _problem(shape, rdt, ldt, bias, device, seed=1, offset=0):
+    g = torch.Generator().manual_seed(seed)
+    n = shape[-1]
+
+    def mk(s, dt):
+        t = torch.randn(s, generator=g).to(dt)
+        if offset:  # a view whose data pointer is `offset` elements past an allocation: unaligned
+            t = torch.cat([torch.zeros(offset, dtype=dt), t.reshape(-1)])[offset:].view(s)
+        return t.to(device)
+
+    result = mk(shape, rdt).requires_grad_()
+    lora = mk(shape, ldt).requires_grad_()
+    mag = (torch.rand(n, generator=g) + 0.5).to(device).requires_grad_()
+    norm = (torch.rand(n, generator=g) + 0.5).to(device)
+    b = mk((n,), rdt) if bias else None
+    dy = mk(shape, rdt)
+    return result, lora, mag, norm, b, dy
+
+
+def _run(kc, native, use_node, prob, out_dtype, scale=0.73, eps=1e-6, need=(True, True, True)):
+    """One composition forward + backward through the C++ node (``use_node``) or the Python node."""
+    # detach, no clone: the same data pointers and strides (the unaligned / strided cases)
+    result, lora, mag, norm, bias, dy = [t.detach() if t is not None else None for t in prob]
+    for t, want in zip((result, lora, mag), need):
+        t.requires_grad_(want)
+    saved = native.NODE
+    native.NODE = saved if use_node else None
+    try:
+        y = kc.TRITON.apply(result, lora, mag, norm, bias, None, scale, eps, out_dtype)
+        assert (type(y.grad_fn).__name__ == "CppFunction") == use_node, type(y.grad_fn).__name__
+        y.backward(dy)
+    finally:
+        native.NODE = saved
+    return [y.detach()] + [t.grad for t in (result, lora, mag)]
+
+
+def _assert_bitwise(a, b, what):
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert (x is None) == (y is None), f"{what}: output {i} presence differs"
+        if x is not None:
+            assert x.dtype == y.dtype and x.shape == y.shape, f"{what}: output {i} {x.dtype}{x.shape} vs {y.dtype}{y.shape}"
+            assert torch.equal(x, y), f"{what}: output {i} differs (max {(x.double() - y.double()).abs().max()})"
+
+
+DTYPES = {
+    "fp32": (torch.float32, torch.float32),
+    "bf16": (torch.bfloat16, torch.bfloat16),
+    "fp16": (torch.float16, torch.float16),
+    "mixed": (torch.bfloat16, torch.float32),  # AMP: bf16 result, fp32 lora
+}
+
+
+def _ab_cases(kc, native, device, shapes):
+    """Every dtype x bias x shape: the first call (Python fallback, registers templates) and the second (templates)
+    through the C++ node, both bitwise equal to the Python node; the second call must have used the templates."""
+    for dname, (rdt, ldt) in DTYPES.items():
+        for bias in (False, True):
+            for shape in shapes:
+                prob = _problem(shape, rdt, ldt, bias, device)
+                ref = _run(kc, native, False, prob, rdt)
+                first = _run(kc, native, True, prob, rdt)
+                before = native.NODE.stats()["fast"]
+                second = _run(kc, native, True, prob, rdt)
+                what = f"{dname} bias={bias} shape={shape}"
+                _assert_bitwise(first, ref, what + " (first call)")
+                _assert_bitwise(second, ref, what + " (templates)")
+                assert native.NODE.stats()["fast"] == before + 2, what + ": the templates were not used"
+
+
+# ----------------------------------------------------------------------------------- interpreter (CPU) node tests
+
+if _INNER:
+    from fastdora.kernels import compose as kc
+    from fastdora.kernels import native
+    from fastdora.ops import compose as oc
+
+    @pytest.fixture(scope="module", autouse=True)
+    def _node():
+        mod = native.node(required=True)
+        assert native.status() == "active"
+        yield mod
+        native.reset()  # later test modules in this process (CPU tensors) get the Python node again
+
+    def test_bitwise_vs_python_node():
+        _ab_cases(kc, native, "cpu", [(1, 16), (7, 17), (33, 48), (2, 3, 40)])
+
+    @pytest.mark.parametrize("need", [(False, True, True), (True, False, True), (True, True, False),
+                                      (False, False, True), (True, False, False)])
+    def test_partial_input_grads(need):
+        """Only the gradients autograd asks for; those bitwise the Python node's (which computes all)."""
+        for dname in ("fp32", "mixed"):
+            rdt, ldt = DTYPES[dname]
+            prob = _problem((9, 24), rdt, ldt, True, "cpu", seed=3)
+            ref = _run(kc, native, False, prob, rdt, need=need)
+            for _ in range(2):
+                got = _run(kc, native, True, prob, rdt, need=need)
+                _assert_bitwise(got, ref, f"{dname} need={need}")
+
+    def test_unaligned_and_strided_inputs_fall_back():
+        """An unaligned data pointer or a non-contiguous input takes the Python launchers (same values)."""
+        for dname in ("fp32", "bf16"):
+            rdt, ldt = DTYPES[dname]
+            prob = _problem((10, 32), rdt, ldt, False, "cpu", offset=1)
+            assert prob[0].data_ptr() % 16 != 0
+            ref = _run(kc, native, False, prob, rdt)
+            slow = native.NODE.stats()["slow"]
+            _assert_bitwise(_run(kc, native, True, prob, rdt), ref, dname + " unaligned")
+            assert native.NODE.stats()["slow"] >= slow + 1
+            base = _problem((10, 64), rdt, ldt, False, "cpu", seed=5)
+            strided = [None if t is None else (t[:, ::2] if t.dim() == 2 else t[:32]) for t in base]
+            _assert_bitwise(_run(kc, native, True, strided, rdt), _run(kc, native, False, strided, rdt),
+                            dname + " strided")
+
+    def test_eps_scale_and_out_dtype_are_per_call():
+        """Scalars fill the template per call (a key's template is shared by layers with other scales)."""
+        prob = _problem((8, 32), torch.float32, torch.float32, False, "cpu", seed=7)
+        for scale, eps in ((0.5, 1e-6), (2.0, 1e-12), (0.125, 1e-3)):
+            _assert_bitwise(_run(kc, native, True, prob, torch.float32, scale, eps),
+                            _run(kc, native, False, prob, torch.float32, scale, eps), f"scale={scale} eps={eps}")
+        prob = _problem((8, 32), torch.bfloat16, torch.float32, False, "cpu", seed=8)
+        _assert_bitwise(_run(kc, native, True, prob, torch.float32), _run(kc, native, False, prob, torch.float32),
+                        "fp32 output of bf16 inputs")
+
+    @pytest.mark.parametrize("dname", ["fp32", "bf16", "mixed"])
+    def test_checkpointed(dname):
+        """Non-reentrant checkpointing: the first forward saves the placeholder (no inner), the recomputation the
+        real inner; gradients bitwise those without checkpointing, through the C++ node."""
+        from torch.utils.checkpoint import checkpoint
+
+        rdt, ldt = DTYPES[dname]
+        prob = _problem((12, 40), rdt, ldt, True, "cpu", seed=11)
+        flags = []
+        real_fwd = kc.compose_fwd
+
+        def spy(*args, **kw):
+            flags.append(args[9])  # save_inner
+            return real_fwd(*args, **kw)
+
+        kc.compose_fwd = spy
+        try:
+            def fn(r, l, m):
+                return kc.TRITON.apply(r, l, m, prob[3], prob[4], None, 0.6, 1e-6, rdt).float().square()
+
+            res = []
+            for use_ckpt in (False, True, True):
+                result, lora, mag = [t.detach().clone().requires_grad_() for t in prob[:3]]
+                out = checkpoint(fn, result, lora, mag, use_reentrant=False) if use_ckpt else fn(result, lora, mag)
+                out.backward(prob[5].float())
+                res.append([out.detach(), result.grad, lora.grad, mag.grad])
+        finally:
+            kc.compose_fwd = real_fwd
+        _assert_bitwise(res[1], res[0], dname + " checkpointed (first)")
+        _assert_bitwise(res[2], res[0], dname + " checkpointed (templates)")
+        # only a key's first call reaches compose_fwd (the Python launcher, which registers the template): the plain
+        # forward (inner saved) and the checkpointed first forward (no inner); the recomputation's key (inner saved)
+        # is the plain forward's, served by its template like every later call
+        assert flags == [True, False], flags
+
+    def test_reference_counts_unchanged():
+        """The node hands Python objects across the C API in both directions: many calls through the Python
+        fallback (fp64: the eager path, no template) and through templates leave every reference count as it was
+        (a stolen borrowed reference freed ``torch.float64`` after enough calls: a segfault on the GPU suite)."""
+        dts = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+        cases = [(_problem((4, 16), torch.float64, torch.float64, True, "cpu"), torch.float64),
+                 (_problem((4, 16), torch.bfloat16, torch.float32, True, "cpu"), torch.bfloat16)]
+        for prob, dt in cases:
+            _run(kc, native, True, prob, dt)  # registers what can be registered
+        objs = dts + (None, True, False)
+        gc.collect()  # pending garbage would drop references to None / True during the loop
+        before = [sys.getrefcount(o) for o in objs]
+        for _ in range(30):
+            for prob, dt in cases:
+                _run(kc, native, True, prob, dt)
+        gc.collect()
+        after = [sys.getrefcount(o) for o in objs]
+        assert after == before, list(zip(objs, before, after))
+
+    def test_placeholder_reaching_backward_raises():
+        prob = _problem((6, 16), torch.float32, torch.float32, False, "cpu")
+        result, lora, mag = [t.detach().clone().requires_grad_() for t in prob[:3]]
+        ph = oc._inner_placeholder(result, lora)
+        y = native.NODE.compose(result, lora, mag, prob[3], None, 0.5, 1e-6, torch.float32, ph)
+        with pytest.raises(RuntimeError, match="discarded by gradient checkpointing"):
+            y.backward(prob[5])
+
+    def test_peft_model_through_the_node():
+        """A PEFT DoRA model converted by fastdora with kernels='triton' on CPU tensors is not routed to Triton
+        (dispatch keeps CPU on the exact PyTorch path); here the TRITON impl is forced, as on CUDA: a 2-layer MLP's
+        outputs and every parameter gradient bitwise equal with the C++ node and with the Python node."""
+        import fastdora
+        from fastdora import dispatch
+        from peft import LoraConfig, get_peft_model
+        from torch import nn
+
+        def build():
+            torch.manual_seed(0)
+            base = nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 16, bias=False))
+            pm = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["0", "2"], use_dora=True))
+            with torch.no_grad():
+                for n_, p in pm.named_parameters():
+                    if "lora_B" in n_:
+                        p.normal_(0, 0.1)
+            fastdora.enable(pm)
+            return pm
+
+        real = dispatch.compose_impl
+        dispatch.compose_impl = lambda *a, **k: kc.TRITON
+        try:
+            outs = []
+            for use_node in (False, True, True):
+                pm = build()
+                x = torch.randn(5, 32, generator=torch.Generator().manual_seed(2))
+                saved = native.NODE
+                native.NODE = saved if use_node else None
+                try:
+                    y = pm(x)
+                    y.square().sum().backward()
+                finally:
+                    native.NODE = saved
+                outs.append([y.detach()] + [p.grad for p in pm.parameters() if p.requires_grad])
+        finally:
+            dispatch.compose_impl = real
+        _assert_bitwise(outs[1], outs[0], "peft model, C++ node (first)")
+        _assert_bitwise(outs[2], outs[0], "peft model, C++ node (again)")
+
+
+# ------------------------------------------------------------------------------------------------------ GPU tests
+
+_GPU = (not _INNER) and torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def gpu_node(tmp_path_factory):
+    if not _GPU:
+        pytest.skip("needs CUDA")
+    os.environ.setdefault("FASTDORA_CACHE_DIR", str(tmp_path_factory.mktemp("fdcache")))
+    from fastdora.kernels import compose as kc
+    from fastdora.kernels import native
+
+    native.node(required=True)
+    return kc, native
+
+
+@pytest.mark.gpu
+def test_gpu_bitwise_vs_python_node(gpu_node):
+    kc, native = gpu_node
+    _ab_cases(kc, native, "cuda", [(1, 16), (37, 48), (300, 520), (2, 129, 256)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("setup", ["amp", "bf16"])
+def test_gpu_peft_model_checkpointed(gpu_node, setup):
+    """A transformers Llama (PEFT DoRA, fastdora) with its own gradient checkpointing, AMP and pure bf16: loss and
+    every gradient bitwise equal with the C++ node and the Python node; the node served the calls."""
+    kc, native = gpu_node
+    import fastdora
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def build():
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        m = LlamaForCausalLM(cfg).cuda()
+        if setup == "bf16":
+            m = m.to(torch.bfloat16)
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.enable_input_require_grads()
+        pm = get_peft_model(m, LoraConfig(r=16, lora_alpha=32, use_dora=True, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+        with torch.no_grad():
+            for n_, p in pm.named_parameters():
+                if "lora_B" in n_:
+                    p.normal_(0, 0.02)
+        assert fastdora.enable(pm, kernels="triton").native_node == "active"
+        pm.train()
+        return pm
+
+    ids = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(1)).cuda()
+    outs = []
+    for use_node in (False, True, True):
+        pm = build()
+        saved = native.NODE
+        native.NODE = saved if use_node else None
+        fast = saved.stats()["fast"]
+        try:
+            for _ in range(2):  # the second step: norms cached, templates registered
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=setup == "amp"):
+                    loss = pm(input_ids=ids, labels=ids).loss
+                loss.backward()
+        finally:
+            native.NODE = saved
+        if use_node:
+            assert saved.stats()["fast"] > fast, "the C++ node's templates were never used"
+        outs.append([loss.detach()] + [p.grad for p in pm.parameters() if p.requires_grad])
+        torch.cuda.synchronize()
+    _assert_bitwise(outs[1], outs[0], setup + ": C++ node vs Python node")
+    _assert_bitwise(outs[2], outs[0], setup + ": C++ node again")
