@@ -23,7 +23,7 @@ Measures: gradient-iteration time (8 micro-batches fwd+bwd + optimizer step + ze
 iterations and of inference. Medians over repeats after warm-up.
 
 Usage:
-  python benchmarks/model_bench.py --out DIR [--budget-s 270] [--plan h200|full|targets|tiny]   # parent
+  python benchmarks/model_bench.py --out DIR [--budget-s 270] [--plan h200|full|targets|coverage|tiny]   # parent
   python benchmarks/model_bench.py --report DIR/model_bench.json                                 # tables + plot
   python benchmarks/model_bench.py --tiny --device cpu --out /tmp/mb                             # CPU smoke test
 """
@@ -378,6 +378,16 @@ def plan_configs(plan, layers_q, layers_m):
         if plan.endswith("_fuse"):
             variants = ("lora", "fastdora_fuse", "fastdora_nofuse", "fastdora_fuse", "fastdora_nofuse", "peft_dora")
         add("qwen3-8b", layers_q, 384, setups=(plan.split("_")[0],), variants=variants)
+        return cfgs
+    if plan == "coverage":  # what the r=384 plans leave out (issue 5's remaining rows, AMP): full depth first, then
+        # Mistral-Small-24B at r=16/64/768 and Qwen3-8B at r=64, LoRA / fastdora / PEFT DoRA each
+        three = ("lora", "fastdora", "peft_dora")
+        full = SHAPES["qwen3-8b"]["full_layers"]
+        for v in three:
+            cfgs.append(dict(shape="qwen3-8b", layers=full, rank=384, setup="amp", variant=v, full_depth=True))
+        for r in (16, 64, 768):
+            add("mistral-small-24b", layers_m, r, setups=("amp",), variants=three)
+        add("qwen3-8b", layers_q, 64, setups=("amp",), variants=three)
         return cfgs
     if plan == "r16":  # the no-regression check alone (AMP first)
         add("qwen3-8b", layers_q, 16, setups=("amp",), variants=("peft_dora", "fastdora", "lora"))
@@ -768,7 +778,7 @@ def main():
     p.add_argument("--report-out", help="--report: folder for the merged json / md / png")
     p.add_argument("--old-pkg", default=None, help="folder holding an earlier fastdora package (variant fastdora_old)")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
-    p.add_argument("--plan", default="h200", choices=["h200", "targets", "full", "r16", "tiny", "final", "gpu0", "gpu1", "bf16", "amp",
+    p.add_argument("--plan", default="h200", choices=["h200", "targets", "full", "r16", "coverage", "tiny", "final", "gpu0", "gpu1", "bf16", "amp",
                                                  "bf16_ab", "amp_ab", "bf16_fuse", "amp_fuse"])
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test): --plan tiny, short seq")
     p.add_argument("--budget-s", type=float, default=270.0, help="parent: stop launching configs after this")
