@@ -706,7 +706,7 @@ if AVAILABLE:
                 result, lora, magnitude, norm, bias, base_delta, float(scale), float(eps), out_dtype, save_inner
             )
             return y
-        node = _native.NODE if _native.NODE is not None else _first_node(result)
+        node = _native.NODE if _native.NODE is not None else _native.first_node(result)
         if node is not None and base_delta is None and not _TRANSFORMS_ACTIVE():
             # the C++ autograd node (fastdora.kernels.native); bias: never trainable here (dispatch sends that eager)
             placeholder = (_ops._inner_placeholder(result, lora)
@@ -714,14 +714,6 @@ if AVAILABLE:
             return node.compose(result, lora, magnitude, norm, bias, float(scale), float(eps), out_dtype, placeholder)
         return _apply_function(result, lora, magnitude, norm, bias, base_delta, scale, eps, out_dtype, feature_dim)
 
-    _NODE_TRIED = [False]
     _TRANSFORMS_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", None) or (lambda: True)
-
-    def _first_node(result):
-        """The C++ node on the first CUDA training composition (built / imported then); None afterwards if unused."""
-        if _NODE_TRIED[0] or not result.is_cuda:
-            return None
-        _NODE_TRIED[0] = True
-        return _native.node()
 
     TRITON.apply = _apply

@@ -37,7 +37,7 @@ import torch
 
 from .. import config as _config
 
-__all__ = ["node", "status", "register_fwd", "register_bwd", "ROLES_FWD", "ROLES_BWD"]
+__all__ = ["node", "first_node", "status", "register_fwd", "register_bwd", "ROLES_FWD", "ROLES_BWD"]
 
 _MODULE = "fastdora_compose_node"
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "compose_node.cpp")
@@ -163,6 +163,14 @@ def node(required: Optional[bool] = None):
         _state["reason"] = "active"
         NODE = mod
         return NODE
+
+
+def first_node(t: torch.Tensor):
+    """``node()`` for the first CUDA training composition (the build / import happens then, unless ``enable()`` did
+    it); None without a decision to make: a CPU tensor, or ``node()`` already ran (the node would be ``NODE``)."""
+    if _state["tried"] or not t.is_cuda:
+        return None
+    return node()
 
 
 def reset() -> None:
