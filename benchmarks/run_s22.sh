@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Device script (session 22, nvidia-h200), from the repository root; no carry needed. The C++ composition node is
+# built on the device by the first fastdora worker (cached in FASTDORA_CACHE_DIR for the later ones).
+#
+#   bash benchmarks/run_s22.sh harness   issue 5's whole harness in one go: model_bench.py --plan h200 (BENCH_S,
+#                                        default 520 s of configs launched; every row of the issue incl. full depth)
+#   bash benchmarks/run_s22.sh suite     the whole GPU suite (-m gpu), then model_bench --plan final (FINAL_S, 0 = off)
+set -uo pipefail
+source benchmarks/_env.sh
+export FASTDORA_CACHE_DIR=${FASTDORA_CACHE_DIR:-/tmp/fdcache}
+t0=$(date +%s)
+bench() {  # plan, budget, out name
+  timeout $(( $2 + 65 )) python benchmarks/model_bench.py --out /tmp/mb_$1 --plan $1 --budget-s $2 \
+    > $OUT/mb_$1.log 2>&1
+  [ -f /tmp/mb_$1/model_bench.json ] && python benchmarks/model_bench.py --report /tmp/mb_$1/model_bench.json \
+    > /dev/null 2>&1
+  for f in json md png; do cp /tmp/mb_$1/model_bench.$f $OUT/model_bench_$1.$f 2>/dev/null; done
+  grep "^\[\|MISS\|TARGETS" $OUT/mb_$1.log | tail -60
+  echo "bench $1 $(( $(date +%s) - t0 )) s" | tee -a $OUT/times.log
+}
+case "${1:-harness}" in
+  harness)
+    bench h200 ${BENCH_S:-520}
+    ;;
+  suite)
+    timeout ${TESTS_S:-420} python -m pytest tests -m gpu -q -p no:cacheprovider -rf 2>&1 > $OUT/gpu_tests_full.log
+    tail -12 $OUT/gpu_tests_full.log
+    echo "tests $(( $(date +%s) - t0 )) s" | tee -a $OUT/times.log
+    [ "${FINAL_S:-0}" -gt 0 ] && bench final ${FINAL_S}
+    ;;
+esac
+echo "total $(( $(date +%s) - t0 )) s" | tee -a $OUT/times.log
