@@ -190,15 +190,14 @@ def path_counter():
         return None
 
 
-def preimport(a):
-    """The modules a worker needs, imported before it reports READY (while the previous config runs: CPU only,
-    no CUDA): transformers' model classes, PEFT and, for the fastdora variants, fastdora."""
+def preimport(a=None):
+    """torch, transformers' model classes and PEFT (~7-10 s of CPU on the H200 host). The fork-mode parent imports
+    them once and forks every worker from there, so no worker imports anything while another one is measured;
+    fastdora is left to the worker (variant fastdora_old imports another package under that name)."""
     import importlib
 
-    mods = ["transformers", "peft", "transformers.models.qwen3.modeling_qwen3",
+    mods = ["torch", "transformers", "peft", "transformers.models.qwen3.modeling_qwen3",
             "transformers.models.mistral.modeling_mistral"]
-    if a.variant in FASTDORA_OPTIONS and a.variant != "fastdora_old":
-        mods.append("fastdora")
     for m in mods:
         try:
             importlib.import_module(m)
@@ -210,15 +209,15 @@ def run_worker(a):
     import torch
     import torch.nn.functional as F
 
-    t_import = time.perf_counter()
-    preimport(a)
-    t_import = time.perf_counter() - t_import
     if a.wait_go:
         print("READY", flush=True)
         line = sys.stdin.readline()
         if line.strip() != "go":
             sys.exit(3)
     t_start = time.perf_counter()
+    t_import = time.perf_counter()
+    preimport(a)  # a no-op in a forked worker (the parent imported these before forking)
+    t_import = time.perf_counter() - t_import
     dev = torch.device(a.device)
     rec = dict(shape=a.shape, layers=a.layers, rank=a.rank, setup=a.setup, variant=a.variant, seq=a.seq,
                ga=a.ga, loss_tokens=a.loss_tokens, device=str(dev))
@@ -230,7 +229,7 @@ def run_worker(a):
             pass
     if dev.type == "cuda":
         rec["gpu"] = torch.cuda.get_device_name(dev)
-    rec["import_s"] = t_import
+    rec["import_s"] = t_import  # part of build_s
     t_model = time.perf_counter()
     model = build_model(a, dev)
     rec["model_s"] = time.perf_counter() - t_model
@@ -320,8 +319,8 @@ def run_worker(a):
     rec["worker_s"] = time.perf_counter() - t_start
     with open(a.result, "w") as f:
         json.dump(rec, f, indent=1)
-    if a.wait_go:  # a parent's worker: exit now (the driver frees the device memory; tearing the model and the
-        # CUDA context down object by object costs ~1.3 s per config)
+    if a.wait_go or a.forked:  # a parent's worker: exit now (the driver frees the device memory; tearing the
+        # model and the CUDA context down object by object costs ~1.3 s per config)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
@@ -539,7 +538,78 @@ class Pending:
             self.proc.communicate()
 
 
+class Forked:
+    """One config in a process forked from the parent, which has imported torch / transformers / PEFT but has not
+    touched CUDA (each worker creates its own CUDA context, exactly as a fresh process). Output goes to ``log``."""
+
+    def __init__(self, c, cmd, result, log):
+        self.c, self.cmd, self.result, self.log, self.pid = c, cmd, result, log, None
+
+    def go(self, timeout):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        t0 = time.perf_counter()
+        pid = os.fork()
+        if pid == 0:  # the worker
+            rc = 2
+            try:
+                fd = os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                wa = build_parser().parse_args([x for x in self.cmd[2:] if x != "--wait-go"] + ["--forked"])
+                run_worker(wa)  # exits through os._exit(0) after writing the result
+            except BaseException:  # noqa: BLE001
+                import traceback
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(rc)
+        self.pid = pid
+        status = None
+        while time.perf_counter() - t0 < timeout:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            self.cancel()
+        wall = time.perf_counter() - t0
+        self.pid = None
+        with open(self.log, errors="replace") as f:
+            err = f.read()
+        if status is None:
+            return None, wall, f"timeout after {timeout}s\n{err[-3000:]}"
+        if os.waitstatus_to_exitcode(status) != 0 or not os.path.exists(self.result):
+            return None, wall, f"rc={os.waitstatus_to_exitcode(status)}\n{err[-4000:]}"
+        with open(self.result) as f:
+            return json.load(f), wall, None
+
+    def cancel(self):
+        if self.pid is not None:
+            import signal
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+                os.waitpid(self.pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+            self.pid = None
+
+
 def run_parent(a):
+    if a.spawn == "fork":
+        # before torch is imported: torch.cuda.is_available() (transformers may call it) then asks NVML instead of
+        # initialising the CUDA driver, which a forked child could not use
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+        t = time.perf_counter()
+        preimport()
+        import torch
+        if torch.cuda.is_initialized():  # a forked worker could not use CUDA
+            print("WARNING: CUDA got initialised in the parent while importing; falling back to --spawn exec",
+                  flush=True)
+            a.spawn = "exec"
+        else:
+            print(f"parent imports {time.perf_counter() - t:.1f} s (workers are forked from here)", flush=True)
     os.makedirs(a.out, exist_ok=True)
     wdir = os.path.join(a.out, "workers")
     os.makedirs(wdir, exist_ok=True)
@@ -555,12 +625,14 @@ def run_parent(a):
         res = os.path.join(wdir, f"cfg{i:03d}.json")
         if os.path.exists(res):
             os.remove(res)
+        if a.spawn == "fork":
+            return Forked(c, worker_cmd(c, a, res, profile_out), res, res[:-5] + ".log")
         return Pending(c, worker_cmd(c, a, res, profile_out), res)
 
     def save():
         doc = dict(meta=dict(argv=sys.argv, plan=a.plan, seq=a.seq, ga=a.ga, loss_tokens=a.loss_tokens,
                              warmup=a.warmup, repeats=a.repeats, inf_warmup=a.inf_warmup, inf_repeats=a.inf_repeats,
-                             lora_alpha=16, use_rslora=True, targets=TARGETS,
+                             lora_alpha=16, use_rslora=True, targets=TARGETS, spawn=a.spawn,
                              total_s=time.perf_counter() - t_begin,
                              date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())),
                    results=results, skipped=skipped, errors=errors)
@@ -570,9 +642,9 @@ def run_parent(a):
         os.replace(path + ".tmp", path)
         return path
 
-    nxt = make(0) if cfgs else None
+    nxt = make(0) if (cfgs and a.spawn == "exec") else None
     for i, c in enumerate(cfgs):
-        cur = nxt
+        cur = nxt or make(i)
         nxt = None
         elapsed = time.perf_counter() - t_begin
         est = estimate_s(c, observed)
@@ -582,11 +654,12 @@ def run_parent(a):
             cur.cancel()
             skipped.append(dict(c, reason=f"budget: {elapsed:.0f}s used + ~{est:.0f}s est > {a.budget_s}s"))
             print(f"[{elapsed:6.1f}s] SKIP {tag} (est {est:.0f}s, budget)", flush=True)
-            if i + 1 < len(cfgs):
+            if i + 1 < len(cfgs) and a.spawn == "exec":
                 nxt = make(i + 1)
             continue
-        # the next worker imports (CPU only) while this one runs; it touches CUDA only after "go"
-        if i + 1 < len(cfgs):
+        # exec mode: the next worker starts (imports torch, CPU only) while this one builds its model; it imports
+        # the rest and touches CUDA only after "go". fork mode: nothing runs beside the worker.
+        if i + 1 < len(cfgs) and a.spawn == "exec":
             nxt = make(i + 1)
         rec, wall, err = cur.go(timeout=max(60.0, min(a.budget_s - elapsed + 30, 3 * est + 60)))
         key = (c["shape"], c["layers"])
@@ -782,12 +855,16 @@ def plot(doc, png):
                         ys.append(rec[field] * (1e3 if field == "infer_s" else 1.0))
                 if xs:
                     ax.bar(xs, ys, w, label=VARIANT_LABEL[v], color=colors[v])
+            ax.set_xlim(-0.6, max(len(ranks), 3) - 0.4)  # one rank: bars as wide as in the 4-rank panels
             ax.set_xticks(range(len(ranks)))
             ax.set_xticklabels([f"r={r}" for r in ranks])
             ax.set_title(f"{g[0]} L={g[1]} {g[2]}: {label}", fontsize=9)
-            if gi == 0 and mi == 0:
-                ax.legend(fontsize=8)
-    fig.tight_layout()
+    handles = {}
+    for ax in axes.flat:  # one legend above the panels (inside one it covered bars)
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    fig.legend(list(handles.values()), list(handles), loc="upper center", ncol=len(handles), fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / (3.2 * len(groups))))
     fig.savefig(png, dpi=110)
     plt.close(fig)
     return True
@@ -840,6 +917,11 @@ def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", action="store_true")
     p.add_argument("--wait-go", action="store_true")
+    p.add_argument("--forked", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--spawn", default="fork", choices=["fork", "exec"],
+                   help="parent: fork each worker from the parent after importing torch/transformers/PEFT once "
+                        "(default; nothing else runs while a worker is measured), or exec a fresh interpreter per "
+                        "worker (the next one starts while the current one builds its model)")
     p.add_argument("--report", help="regenerate tables/plot from a model_bench.json (or several, comma-separated)")
     p.add_argument("--report-out", help="--report: folder for the merged json / md / png")
     p.add_argument("--old-pkg", default=None, help="folder holding an earlier fastdora package (variant fastdora_old)")

@@ -3,14 +3,18 @@
 # built on the device by the first fastdora worker (cached in FASTDORA_CACHE_DIR for the later ones).
 #
 #   bash benchmarks/run_s22.sh harness   issue 5's whole harness in one go: model_bench.py --plan h200 (BENCH_S,
-#                                        default 520 s of configs launched; every row of the issue incl. full depth)
+#                                        default 520 s of configs launched; every row of the issue incl. full depth);
+#                                        SPAWN=fork (default: workers forked from a parent that imported
+#                                        torch/transformers/PEFT once; not run on the device yet) or exec (a fresh
+#                                        interpreter per worker, importing after "go"). Calls 1 and 3 ran ba32973's
+#                                        exec design: the next worker imported while the current one was measured.
 #   bash benchmarks/run_s22.sh suite     the whole GPU suite (-m gpu), then model_bench --plan final (FINAL_S, 0 = off)
 set -uo pipefail
 source benchmarks/_env.sh
 export FASTDORA_CACHE_DIR=${FASTDORA_CACHE_DIR:-/tmp/fdcache}
 t0=$(date +%s)
-bench() {  # plan, budget, out name
-  timeout $(( $2 + 65 )) python benchmarks/model_bench.py --out /tmp/mb_$1 --plan $1 --budget-s $2 \
+bench() {  # plan, budget [, extra model_bench arguments]
+  timeout $(( $2 + 65 )) python benchmarks/model_bench.py --out /tmp/mb_$1 --plan $1 --budget-s $2 "${@:3}" \
     > $OUT/mb_$1.log 2>&1
   [ -f /tmp/mb_$1/model_bench.json ] && python benchmarks/model_bench.py --report /tmp/mb_$1/model_bench.json \
     > /dev/null 2>&1
@@ -20,7 +24,7 @@ bench() {  # plan, budget, out name
 }
 case "${1:-harness}" in
   harness)
-    bench h200 ${BENCH_S:-520}
+    bench h200 ${BENCH_S:-520} --spawn ${SPAWN:-fork}
     ;;
   suite)
     timeout ${TESTS_S:-420} python -m pytest tests -m gpu -q -p no:cacheprovider -rf 2>&1 > $OUT/gpu_tests_full.log
