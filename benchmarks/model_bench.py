@@ -220,7 +220,7 @@ def run_worker(a):
     t_import = time.perf_counter() - t_import
     dev = torch.device(a.device)
     rec = dict(shape=a.shape, layers=a.layers, rank=a.rank, setup=a.setup, variant=a.variant, seq=a.seq,
-               ga=a.ga, loss_tokens=a.loss_tokens, device=str(dev))
+               ga=a.ga, loss_tokens=a.loss_tokens, device=str(dev), pid=os.getpid())
     rec["versions"] = dict(torch=torch.__version__)
     for mod in ("transformers", "peft", "triton"):
         try:
@@ -597,6 +597,13 @@ class Forked:
 
 
 def run_parent(a):
+    cfgs = plan_configs(a.plan, a.layers, a.layers_mistral)
+    if a.variants:
+        keep = a.variants.split(",")
+        unknown = sorted(set(keep) - set(VARIANTS))
+        if unknown:
+            raise SystemExit(f"--variants: unknown {unknown} (known: {VARIANTS})")
+        cfgs = [c for c in cfgs if c["variant"] in keep]
     if a.spawn == "fork":
         # before torch is imported: torch.cuda.is_available() (transformers may call it) then asks NVML instead of
         # initialising the CUDA driver, which a forked child could not use
@@ -616,7 +623,6 @@ def run_parent(a):
     profile_out = os.path.join(a.out, "model_bench_profile.txt")
     if os.path.exists(profile_out):
         os.remove(profile_out)
-    cfgs = plan_configs(a.plan, a.layers, a.layers_mistral)
     t_begin = time.perf_counter()
     results, skipped, errors, observed = [], [], [], {}
 
@@ -630,8 +636,8 @@ def run_parent(a):
         return Pending(c, worker_cmd(c, a, res, profile_out), res)
 
     def save():
-        doc = dict(meta=dict(argv=sys.argv, plan=a.plan, seq=a.seq, ga=a.ga, loss_tokens=a.loss_tokens,
-                             warmup=a.warmup, repeats=a.repeats, inf_warmup=a.inf_warmup, inf_repeats=a.inf_repeats,
+        doc = dict(meta=dict(argv=sys.argv, plan=a.plan, parent_pid=os.getpid(), seq=a.seq, ga=a.ga,
+                             loss_tokens=a.loss_tokens, warmup=a.warmup, repeats=a.repeats, inf_warmup=a.inf_warmup, inf_repeats=a.inf_repeats,
                              lora_alpha=16, use_rslora=True, targets=TARGETS, spawn=a.spawn,
                              total_s=time.perf_counter() - t_begin,
                              date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())),
@@ -928,6 +934,7 @@ def build_parser():
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--plan", default="h200", choices=["h200", "targets", "full", "r16", "coverage", "tiny", "final", "gpu0", "gpu1", "bf16", "amp",
                                                  "bf16_ab", "amp_ab", "bf16_fuse", "amp_fuse"])
+    p.add_argument("--variants", help="parent: run only these variants of the plan (comma-separated)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test): --plan tiny, short seq")
     p.add_argument("--budget-s", type=float, default=540.0,
                    help="parent: launch no config expected to end after this many seconds")

@@ -1,0 +1,88 @@
+"""The model-level benchmark harness (issue 5, ``benchmarks/model_bench.py``): its default plan covers every row the
+issue asks for, and a whole run (parent, one forked worker per variant, report) works end to end on the CPU at tiny
+shapes. Timings are not asserted here (the H200 runs are in ``benchmarks/results/``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(REPO, "benchmarks")
+
+
+@pytest.fixture(scope="module")
+def mb():
+    sys.path.insert(0, BENCH)
+    try:
+        import model_bench
+        yield model_bench
+    finally:
+        sys.path.remove(BENCH)
+
+
+def test_plan_h200_covers_issue_5(mb):
+    cfgs = mb.plan_configs("h200", 8, 3)
+    keys = [tuple(sorted(c.items())) for c in cfgs]
+    assert len(keys) == len(set(keys)), "a config is planned twice"
+    rows = {(c["shape"], c["rank"], c["setup"], c["variant"]) for c in cfgs}
+    four = ("lora", "fastdora", "peft_dora", "eager")
+    # the targets: Qwen3-8B r=384, AMP and pure bf16, all four variants
+    for setup in ("amp", "bf16"):
+        for v in four:
+            assert ("qwen3-8b", 384, setup, v) in rows
+    # both shapes at every rank, LoRA / fastdora / PEFT DoRA (the no-regression rows)
+    for shape in ("qwen3-8b", "mistral-small-24b"):
+        for r in (16, 64, 384, 768):
+            for v in ("lora", "fastdora", "peft_dora"):
+                assert (shape, r, "amp", v) in rows, (shape, r, v)
+    # one full-depth run with the three variants the targets compare
+    full = [c for c in cfgs if c.get("full_depth")]
+    assert {c["variant"] for c in full} == {"lora", "fastdora", "peft_dora"}
+    assert all(c["layers"] == mb.SHAPES["qwen3-8b"]["full_layers"] == 36 for c in full)
+    # the target rows come first (a time budget drops the tail, never them)
+    assert [c["rank"] for c in cfgs[:8]] == [384] * 8
+    assert all(not c.get("repeats") or c["repeats"] >= 3 for c in cfgs)
+
+
+def test_variants_filter_rejects_unknown(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(BENCH, "model_bench.py"), "--tiny", "--device", "cpu",
+                        "--out", str(tmp_path / "mb"), "--variants", "lora,nope"], capture_output=True, text=True)
+    assert r.returncode != 0 and "unknown ['nope']" in r.stderr
+    assert not (tmp_path / "mb").exists()  # refused before anything ran
+
+
+@pytest.mark.parametrize("spawn", ["fork", "exec"])
+def test_tiny_run_end_to_end(tmp_path, spawn):
+    out = tmp_path / "mb"
+    variants = ["lora", "peft_dora", "fastdora", "eager"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run([sys.executable, os.path.join(BENCH, "model_bench.py"), "--tiny", "--device", "cpu",
+                        "--out", str(out), "--spawn", spawn, "--variants", ",".join(variants), "--repeats", "2"],
+                       capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads((out / "model_bench.json").read_text())
+    assert doc["meta"]["spawn"] == spawn
+    assert doc["errors"] == [] and doc["skipped"] == []
+    res = doc["results"]
+    # plan tiny: r=8 in both setups with all four variants, r=4 AMP without eager
+    assert sorted((x["rank"], x["setup"], x["variant"]) for x in res) == sorted(
+        [(8, s, v) for s in ("amp", "bf16") for v in variants] + [(4, "amp", v) for v in variants if v != "eager"])
+    pids = [x["pid"] for x in res]
+    assert len(set(pids)) == len(pids) and doc["meta"]["parent_pid"] not in pids, "each config in its own process"
+    for x in res:
+        assert x["grad_iter_s"] > 0 and x["infer_s"] > 0 and len(x["grad_iter_s_all"]) == 2
+        assert x["norm_invalidated_per_step"], "the optimizer step must bump the adapter versions"
+        if x["variant"] in ("fastdora", "eager"):
+            rep = x["enable_report"]
+            assert rep["converted"] == {"linear": 14} and not rep["skipped"], rep  # 2 layers x 7 projections
+            assert x["path_counter"].get("linear:eager", 0) > 0  # CPU: the PyTorch path
+        else:
+            assert "enable_report" not in x
+    md = (out / "model_bench.md").read_text()
+    assert "| tiny | 2 | amp | 8 | fastdora DoRA | 2 |" in md and "### Targets" in md
