@@ -190,7 +190,7 @@ def path_counter():
         return None
 
 
-def preimport(a=None):
+def preimport():
     """torch, transformers' model classes and PEFT (~7-10 s of CPU on the H200 host). The fork-mode parent imports
     them once and forks every worker from there, so no worker imports anything while another one is measured;
     fastdora is left to the worker (variant fastdora_old imports another package under that name)."""
@@ -216,7 +216,7 @@ def run_worker(a):
             sys.exit(3)
     t_start = time.perf_counter()
     t_import = time.perf_counter()
-    preimport(a)  # a no-op in a forked worker (the parent imported these before forking)
+    preimport()  # a no-op in a forked worker (the parent imported these before forking)
     t_import = time.perf_counter() - t_import
     dev = torch.device(a.device)
     rec = dict(shape=a.shape, layers=a.layers, rank=a.rank, setup=a.setup, variant=a.variant, seq=a.seq,
@@ -551,7 +551,6 @@ class Forked:
         t0 = time.perf_counter()
         pid = os.fork()
         if pid == 0:  # the worker
-            rc = 2
             try:
                 fd = os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 os.dup2(fd, 1)
@@ -561,10 +560,10 @@ class Forked:
             except BaseException:  # noqa: BLE001
                 import traceback
                 traceback.print_exc()
-            finally:
+            finally:  # reached only on failure
                 sys.stdout.flush()
                 sys.stderr.flush()
-                os._exit(rc)
+                os._exit(2)
         self.pid = pid
         status = None
         while time.perf_counter() - t0 < timeout:
@@ -637,7 +636,8 @@ def run_parent(a):
 
     def save():
         doc = dict(meta=dict(argv=sys.argv, plan=a.plan, parent_pid=os.getpid(), seq=a.seq, ga=a.ga,
-                             loss_tokens=a.loss_tokens, warmup=a.warmup, repeats=a.repeats, inf_warmup=a.inf_warmup, inf_repeats=a.inf_repeats,
+                             loss_tokens=a.loss_tokens, warmup=a.warmup, repeats=a.repeats,
+                             inf_warmup=a.inf_warmup, inf_repeats=a.inf_repeats,
                              lora_alpha=16, use_rslora=True, targets=TARGETS, spawn=a.spawn,
                              total_s=time.perf_counter() - t_begin,
                              date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())),
