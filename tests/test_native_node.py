@@ -364,6 +364,27 @@ if _INNER:
         with pytest.raises(RuntimeError, match="discarded by gradient checkpointing"):
             y.backward(prob[5])
 
+    def test_compiled_autograd_over_the_node():
+        """``torch._dynamo.compiled_autograd`` (a trainer's ``torch.compile`` of the backward) over the C++ node:
+        the backward runs and gives the Python node's eager gradients bitwise."""
+        ca = pytest.importorskip("torch._dynamo.compiled_autograd")
+        if not hasattr(ca, "_enable"):
+            pytest.skip("this torch has no compiled_autograd._enable")
+        prob = _problem((7, 16), torch.float32, torch.float32, False, "cpu")
+        ref = _run(kc, native, False, prob, torch.float32)
+        result, lora, mag, norm, _, dy = [t.detach() if t is not None else None for t in prob]
+        for t in (result, lora, mag):
+            t.requires_grad_(True)
+        y = kc.TRITON.apply(result, lora, mag, norm, None, None, 0.73, 1e-6, torch.float32)
+        assert type(y.grad_fn).__name__ == "CppFunction"
+        torch._dynamo.reset()
+        try:
+            with ca._enable(torch.compile(backend="eager")):
+                y.backward(dy)
+        finally:
+            torch._dynamo.reset()
+        _assert_bitwise([y.detach(), result.grad, lora.grad, mag.grad], ref, "compiled autograd, C++ node")
+
     def test_peft_model_through_the_node():
         """A PEFT DoRA model converted by fastdora with kernels='triton' on CPU tensors is not routed to Triton
         (dispatch keeps CPU on the exact PyTorch path); here the TRITON impl is forced, as on CUDA: a 2-layer MLP's
