@@ -595,6 +595,16 @@ class Forked:
             self.pid = None
 
 
+# a forked worker's CUDA failing because the parent initialised the driver (which the check below cannot see when
+# it happened below torch, e.g. cudaGetDeviceCount without NVML): the parent then falls back to exec workers
+_FORK_CUDA_ERRORS = ("CUDA error: initialization error", "Cannot re-initialize CUDA in forked subprocess",
+                     "CUDA driver initialization failed", "cudaErrorInitializationError")
+
+
+def fork_broke_cuda(err: str) -> bool:
+    return any(e in err for e in _FORK_CUDA_ERRORS)
+
+
 def run_parent(a):
     cfgs = plan_configs(a.plan, a.layers, a.layers_mistral)
     if a.variants:
@@ -667,7 +677,14 @@ def run_parent(a):
         # the rest and touches CUDA only after "go". fork mode: nothing runs beside the worker.
         if i + 1 < len(cfgs) and a.spawn == "exec":
             nxt = make(i + 1)
-        rec, wall, err = cur.go(timeout=max(60.0, min(a.budget_s - elapsed + 30, 3 * est + 60)))
+        timeout = max(60.0, min(a.budget_s - elapsed + 30, 3 * est + 60))
+        rec, wall, err = cur.go(timeout=timeout)
+        if err and a.spawn == "fork" and fork_broke_cuda(err):
+            print(f"WARNING: a forked worker could not use CUDA ({err.strip().splitlines()[-1][:200]}); "
+                  f"falling back to --spawn exec", flush=True)
+            a.spawn = "exec"
+            cur = make(i)
+            rec, wall, err = cur.go(timeout=timeout)
         key = (c["shape"], c["layers"])
         observed.setdefault(key, []).append(wall / (1.3 if c["variant"] == "peft_dora" else 1.0))
         if err:

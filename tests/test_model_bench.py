@@ -49,6 +49,14 @@ def test_plan_h200_covers_issue_5(mb):
     assert all(not c.get("repeats") or c["repeats"] >= 3 for c in cfgs)
 
 
+def test_fork_cuda_failure_is_recognised(mb):
+    """The errors a forked worker raises when the parent initialised CUDA: the parent falls back to exec workers."""
+    assert mb.fork_broke_cuda("RuntimeError: Cannot re-initialize CUDA in forked subprocess. To use CUDA with ...")
+    assert mb.fork_broke_cuda("torch.AcceleratorError: CUDA error: initialization error\nCUDA kernel errors ...")
+    assert not mb.fork_broke_cuda("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert not mb.fork_broke_cuda("RuntimeError: variant fastdora_old needs --old-pkg DIR (DIR/fastdora)")
+
+
 def test_variants_filter_rejects_unknown(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(BENCH, "model_bench.py"), "--tiny", "--device", "cpu",
                         "--out", str(tmp_path / "mb"), "--variants", "lora,nope"], capture_output=True, text=True)
