@@ -19,7 +19,8 @@ rounds):
   an earlier commit's ``core/``), imported under another name into the same process (before/after, interleaved)
 
 Setups: ``fp32`` (fp32 model), ``amp`` (fp32 model under CPU bf16 autocast: the half-precision composition path),
-``bf16`` (bf16 model). Modes: ``train`` (forward + backward, as in a training step) and ``infer`` (no-grad forward).
+``bf16`` (bf16 model and adapters: pure bf16; until session 22 the adapters stayed fp32, PEFT's default upcast,
+i.e. bf16 base with fp32 adapters and no autocast). Modes: ``train`` (forward + backward, as in a training step) and ``infer`` (no-grad forward).
 The numbers are per layer and per call, in microseconds of this thread's CPU time (``time.thread_time``: host work,
 not time spent descheduled), on the machine that runs the script: use them for
 before/after comparisons of the host path (same machine, same run), not as device timings.
@@ -137,6 +138,9 @@ def worker(a):
         cfg = LoraConfig(r=a.rank, lora_alpha=2 * a.rank, target_modules=[str(i) for i in range(a.layers)],
                          use_dora=v != "lora")
         pm = get_peft_model(base, cfg)
+        if a.setup == "bf16":  # pure bf16, as the model bench's bf16 setup: PEFT made the adapters fp32
+            for prm in pm.parameters():
+                prm.data = prm.data.to(torch.bfloat16)
         label = v.rsplit("_", 1)[0]
         if label in pkgs:
             pkgs[label].enable(pm, kernels="eager")
