@@ -394,14 +394,13 @@ if _INNER:
         from peft import LoraConfig, get_peft_model
         from torch import nn
 
+        from .helpers import perturb_
+
         def build():
             torch.manual_seed(0)
             base = nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 16, bias=False))
             pm = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["0", "2"], use_dora=True))
-            with torch.no_grad():
-                for n_, p in pm.named_parameters():
-                    if "lora_B" in n_:
-                        p.normal_(0, 0.1)
+            perturb_(pm)
             fastdora.enable(pm)
             return pm
 
