@@ -96,6 +96,57 @@ def gap_report(torch, model, microbatch, v, n_mb, sync, min_gap_us=20.0, top=12)
     return out
 
 
+def host_profile(torch, microbatch, v, n_mb, sleep, top=40):
+    """cProfile of ``n_mb`` micro-batches of variant ``v``, each behind a GPU sleep, with the backward on the calling
+    thread (the autograd engine's device thread is invisible to cProfile): host seconds per function, per
+    micro-batch. cProfile's own per-call cost inflates Python-heavy code alike in every variant."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    with torch.autograd.set_multithreading_enabled(False):
+        for _ in range(n_mb):
+            sleep()
+            prof.enable()
+            microbatch(v)
+            prof.disable()
+    sleep()
+    st = pstats.Stats(prof)
+    rows = []
+    for (fname, line, func), (cc, nc, tt, ct, _callers) in st.stats.items():
+        rows.append({"function": f"{os.path.basename(fname)}:{line}({func})", "calls_per_mb": nc / n_mb,
+                     "tottime_ms_per_mb": tt * 1e3 / n_mb, "cumtime_ms_per_mb": ct * 1e3 / n_mb})
+    rows.sort(key=lambda r: -r["tottime_ms_per_mb"])
+    total = sum(r["tottime_ms_per_mb"] for r in rows)
+    print(f"{v}: cProfile, {n_mb} micro-batches (backward on the calling thread): {total:.1f} ms host per"
+          " micro-batch (incl. the wait at the causal mask's sync)", flush=True)
+    for r in rows[:top]:
+        print(f"    {r['tottime_ms_per_mb']:8.2f} ms {r['cumtime_ms_per_mb']:8.2f} cum {r['calls_per_mb']:7.0f} calls"
+              f"  {r['function'][:110]}", flush=True)
+    return {"total_ms_per_mb": total, "top": rows[:120]}
+
+
+def write_trace(torch, microbatch, v, sleep, path):
+    """A torch.profiler trace (CPU ops, CUDA runtime calls, kernels) of one micro-batch of ``v`` behind a GPU sleep,
+    gzipped (read it in Perfetto / chrome://tracing, or with json)."""
+    import gzip
+    import shutil
+
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    sleep()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        microbatch(v)
+        sleep()
+    raw = path[:-3]
+    prof.export_chrome_trace(raw)
+    with open(raw, "rb") as fi, gzip.open(path, "wb") as fo:
+        shutil.copyfileobj(fi, fo)
+    os.remove(raw)
+    print(f"{v}: trace {path} ({os.path.getsize(path) / 1e6:.1f} MB)", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="/tmp/enqueue_probe.json")
@@ -112,6 +163,12 @@ def main():
     p.add_argument("--gaps", type=int, default=0, metavar="MB",
                    help="also profile MB back-to-back micro-batches without the sleep and report where the GPU idles")
     p.add_argument("--old-pkg", default=None, help="variant fastdora_old: the fastdora package in DIR/fastdora")
+    p.add_argument("--cprofile", type=int, default=0, metavar="MB",
+                   help="also cProfile MB micro-batches per variant behind the sleep, the backward on the calling "
+                        "thread (so its Python, the checkpoint recomputation, is seen): host time per function")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="also write DIR/trace_<variant>.json.gz: a torch.profiler trace (CPU ops, CUDA runtime "
+                        "calls, kernels) of one micro-batch per variant behind the sleep")
     p.add_argument("--tiny", action="store_true", help="CPU smoke test")
     a = p.parse_args()
     import torch
@@ -189,6 +246,11 @@ def main():
         sync()
         cycles_per_ms = 2e8 / e0.elapsed_time(e1)
 
+    def sleep():  # an idle GPU, then a long sleep kernel ahead of what the host enqueues next
+        sync()
+        if cuda:
+            torch.cuda._sleep(int(a.sleep_ms * cycles_per_ms))
+
     launches = {}
     for v in runs:  # warm-up (compile, allocator, cached norms) and a launch count
         for _ in range(3):
@@ -209,8 +271,7 @@ def main():
         for v in (list(runs) if rnd % 2 == 0 else list(runs)[::-1]):
             busy = None
             if cuda:
-                sync()
-                torch.cuda._sleep(int(a.sleep_ms * cycles_per_ms))
+                sleep()
                 e_sleep, e_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 e_sleep.record()
             fwd, bwd = microbatch(v)
@@ -250,12 +311,17 @@ def main():
             print(f"  {k:56s} {b['us_per_call']:8.1f} us/call  {b['calls_per_microbatch']:6.0f} calls/mb"
                   f"  {b['ms_per_microbatch']:7.2f} ms/mb", flush=True)
     gaps = {v: gap_report(torch, runs[v], microbatch, v, a.gaps, sync) for v in runs} if (cuda and a.gaps) else None
+    profiles = {v: host_profile(torch, microbatch, v, a.cprofile, sleep) for v in runs} if a.cprofile else None
+    if a.trace:
+        for v in runs:
+            write_trace(torch, microbatch, v, sleep, os.path.join(a.trace, f"trace_{v}.json.gz"))
     meta = {"setup": a.setup, "shape": a.shape, "layers": a.layers, "rank": a.rank, "seq": a.seq,
             "sleep_ms": a.sleep_ms, "torch": torch.__version__, "cmd": " ".join(sys.argv),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
-        json.dump({"meta": meta, "summary": summary, "breakdown": breakdown, "gaps": gaps, "rows": rows}, f, indent=1)
+        json.dump({"meta": meta, "summary": summary, "breakdown": breakdown, "gaps": gaps, "rows": rows,
+                   "host_profile": profiles}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ Sections (``--sections``, comma separated; default all):
   sweep      block-size alternatives of the forward and backward kernels at one large shape
   evict      (not in the default list) backward kernel, default L2 policy vs evict_first on its dy / inner loads
   bwd_sweep  (not in the default list) backward kernel configurations incl. an exact grid and pipelining stages
+  mb_shapes  (not in the default list) forward / backward configurations at the model bench's activation shapes
+             (4096 tokens x 1024 / 4096 / 12288, pure bf16) next to LoRA's own mul + add and backward mul there
   norm_variants  (not in the default list) G split over K vs not, U row vs transposed tiles over configurations,
              per Qwen3-8B shape at r=384 (AMP and bf16), with errors vs fp64
   norm_modes  (not in the default list) the whole norm per product mode (AMP: 3 vs 2 split products; bf16: tf32x3
@@ -238,6 +240,65 @@ def sec_bwd_sweep(bw_copy):
         kc._CONFIG_OVERRIDE.clear()
         kc._BWD_STAGES = None
     RESULTS["bwd_sweep"] = rows
+    return rows
+
+
+# the model bench's activation shapes (4096 tokens per micro-batch; Qwen3-8B's k/v, q/o/down and gate/up widths)
+MB_SHAPES = ((4096, 1024), (4096, 4096), (4096, 12288))
+# forward (BLOCK_M, BLOCK_N, warps); None: the shipped heuristic
+MB_FWD = [None, (1, 1024, 4), (2, 1024, 4), (4, 1024, 4), (4, 1024, 8), (16, 1024, 8), (8, 512, 4), (16, 512, 8),
+          (16, 256, 4), (32, 256, 8), (4, 2048, 8), (2, 2048, 4)]
+# backward (BLOCK_M, BLOCK_N, warps, programs per SM, prefetch, exact rows per program); None: the shipped heuristic
+MB_BWD = [None, (32, 128, 4, 8, False, True), (32, 128, 4, 4, False, True), (32, 128, 4, 16, False, True),
+          (64, 128, 8, 2, False, True), (64, 128, 8, 8, False, True), (64, 128, 8, 4, True, True),
+          (32, 256, 8, 4, False, True), (16, 256, 4, 8, False, True), (64, 64, 4, 8, False, True),
+          (128, 64, 8, 4, False, True), (16, 128, 4, 8, False, True), (16, 128, 2, 16, False, True)]
+
+
+def sec_mb_shapes(bw_copy, rounds=2, mode="bf16"):
+    """Forward (with / without the saved inner) and backward kernel configurations at the model bench's activation
+    shapes (MB_SHAPES, pure bf16), interleaved over ``rounds`` rounds, next to what LoRA's composition costs there
+    (PEFT's ``result + lora * s``: a mul and an add; its backward: ``dy * s``). Medians in microseconds."""
+    rows = []
+    try:
+        for rnd in range(rounds):
+            for M, N in MB_SHAPES:
+                t, odt = _make(M, N, mode)
+                lora_fwd = bench(lambda: torch.add(t["result"], t["lora"] * 0.5), warmup=25, rep=COMPOSE_REP)
+                lora_bwd = bench(lambda: t["dy"] * 0.5, warmup=25, rep=COMPOSE_REP)
+                rows.append({"round": rnd, "tokens": M, "d": N, "kind": "lora", "cfg": None,
+                             "fwd_us": lora_fwd * 1e3, "bwd_us": lora_bwd * 1e3})
+                del t
+                _free()
+                for kind, cfgs in (("fwd", MB_FWD), ("bwd", MB_BWD)):
+                    order = cfgs[rnd % len(cfgs):] + cfgs[:rnd % len(cfgs)]
+                    for cfg in order:
+                        if kind == "fwd" and cfg is not None and cfg[1] > 2 * N:
+                            continue
+                        kc._CONFIG_OVERRIDE.clear()
+                        if cfg is not None:
+                            kc._CONFIG_OVERRIDE[kind] = cfg
+                        row = {"round": rnd, "tokens": M, "d": N, "kind": kind, "cfg": cfg}
+                        try:
+                            if kind == "fwd":
+                                r1 = _compose_case(M, N, mode, bw_copy, with_eager=False, only="fwd_train")
+                                r2 = _compose_case(M, N, mode, bw_copy, with_eager=False, only="fwd_infer")
+                                row.update(train_us=r1["fwd_train"]["ms"] * 1e3, train_pct=r1["fwd_train"]["pct_copy"],
+                                           noinner_us=r2["fwd_infer"]["ms"] * 1e3,
+                                           noinner_pct=r2["fwd_infer"]["pct_copy"])
+                            else:
+                                r = _compose_case(M, N, mode, bw_copy, with_eager=False, only="bwd")
+                                row.update(bwd_us=r["bwd"]["ms"] * 1e3, bwd_pct=r["bwd"]["pct_copy"])
+                        except Exception as e:  # noqa: BLE001 - out of resources
+                            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                        rows.append(row)
+                        print(row, flush=True)
+    finally:
+        kc._CONFIG_OVERRIDE.clear()
+    dev = torch.device(DEV)
+    RESULTS["mb_shapes"] = {"rows": rows, "default": {f"{M}x{N}": {"fwd": kc._fwd_config(M, N, dev),
+                                                                   "bwd": kc._bwd_config(M, N, dev)}
+                                                      for M, N in MB_SHAPES}}
     return rows
 
 
@@ -757,10 +818,11 @@ def main():
         try:
             if sec == "copy":
                 bw = sec_copy()
-            elif sec in ("compose", "sweep", "evict", "bwd_sweep"):
+            elif sec in ("compose", "sweep", "evict", "bwd_sweep", "mb_shapes"):
                 if bw is None:
                     bw = sec_copy()
-                {"compose": sec_compose, "sweep": sec_sweep, "evict": sec_evict, "bwd_sweep": sec_bwd_sweep}[sec](bw)
+                {"compose": sec_compose, "sweep": sec_sweep, "evict": sec_evict, "bwd_sweep": sec_bwd_sweep,
+                 "mb_shapes": sec_mb_shapes}[sec](bw)
             elif sec == "norm":
                 sec_norm()
             elif sec == "norm_sweep":
