@@ -90,9 +90,10 @@ class Options:
     norm_budget_mb: working-set budget of the eager factored norm's column chunks (MB).
     fuse_lora_b: opt-in. Linear layers whose ``lora_B`` is a plain ``nn.Linear`` (no bias, no hooks) compute its
         product inside the composition's autograd node, which never materialises ``d_lora`` (one activation-sized
-        pass less per layer backward) but runs the two small matmuls of lora_B's backward from Python. Measured on
-        the H200 (benchmarks/README.md, session 11): no model-level gain (the host work it adds cancels the pass it
-        saves in the host-bound bf16 step), so off by default; ``lora_B`` is then called as a module, as PEFT does.
+        pass less per layer backward). Session 11 measured no model-level gain on the H200 with the Python node
+        (its backward ran lora_B's two matmuls from Python on the host-bound step); since session 23 the C++ node
+        runs it (``compose_b``: the matmuls from C++, bitwise the Python node's results), not yet measured on a GPU.
+        Off by default; ``lora_B`` is then called as a module, as PEFT does.
     lean_forward: PEFT LoRA ``Linear`` layers with a fastdora adapter run their common forward call (one active
         adapter, no extra arguments, no hooks, not merged / disabled, no training-mode dropout) through one flattened
         function instead of PEFT's ``forward`` -> variant -> magnitude module chain: the same operations in the same

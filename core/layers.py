@@ -670,12 +670,12 @@ def lean_linear_forward(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
     It runs the same operations on the same tensors in the same order as ``lora.Linear.forward`` through
     ``FastDoraLinearVariant.forward`` and ``FastDoraLinearLayer.forward`` -- base layer, PEFT's input cast,
     ``lora_A``, ``lora_B``, the cached norm (the key of ``_fd_weight_norm``; anything but a hit goes through that
-    method), PEFT's ``_dora_cache`` bookkeeping, the fused composition -- so outputs, gradients and the recorded paths
+    method), PEFT's ``_dora_cache`` bookkeeping, the fused composition (with ``fuse_lora_b`` and a plain ``lora_B``:
+    ``dora_compose_lora_b``, as ``FastDoraLinearLayer.forward``) -- so outputs, gradients and the recorded paths
     are identical. Every other call goes to the class's own ``forward`` (PEFT's, which routes through the fastdora
     variant as before): extra arguments (``adapter_names``, variant kwargs), adapters disabled or merged, not exactly
     one active adapter present on the layer, an adapter not converted to fastdora, dropout in training mode, hooks
-    on the magnitude module or global module hooks, distributed engines, ``fuse_lora_b``, ``torch.compile`` / JIT
-    tracing. The base layer, ``lora_A`` and ``lora_B`` are called as modules unless they are bare ``nn.Linear``
+    on the magnitude module or global module hooks, distributed engines, ``torch.compile`` / JIT tracing. The base layer, ``lora_A`` and ``lora_B`` are called as modules unless they are bare ``nn.Linear``
     modules (then ``F.linear`` on their parameters: what their call runs).
 
     One operation is left out where leaving it out is exact: under autocast with fp32 adapters and activations in
@@ -705,7 +705,6 @@ def lean_linear_forward(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
     opts = mag.__dict__.get("_fastdora_options") or default_options()
     if (
         type(mag) is not FastDoraLinearLayer
-        or opts.fuse_lora_b
         or not opts.lean_forward
         or (module.training and type(mods["lora_dropout"]._modules[a]) is not nn.Identity)
         or _global_hooks()
@@ -728,7 +727,9 @@ def lean_linear_forward(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
             x = module._cast_input_dtype(x, a_weight.dtype)
     h = F.linear(x, a_weight) if bare_a else lora_A(x)
     b_weight = lora_B._parameters["weight"]
-    lora = F.linear(h, b_weight) if (_bare_linear(lora_B) and lora_B._parameters["bias"] is None) else lora_B(h)
+    plain_b = _bare_linear(lora_B) and lora_B._parameters["bias"] is None
+    fuse_b = plain_b and opts.fuse_lora_b  # lora_B's product inside the composition's node (FastDoraLinearLayer's rule)
+    lora = None if fuse_b else (F.linear(h, b_weight) if plain_b else lora_B(h))
     base_layer = base if "base_layer" not in base._modules else module.get_base_layer()
     # the norm: a cache hit checked here with _fd_weight_norm's key (_local_key); anything else through that method
     norm = None
@@ -742,6 +743,10 @@ def lean_linear_forward(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
     if norm is None:
         norm = mag._fd_linear_norm(base_layer, lora_A, lora_B, scaling, a)
     mag._fd_peft_cache(a, norm)
+    if fuse_b:
+        return dora_compose_lora_b(result, h, b_weight, mag._parameters["weight"], norm, scaling, eps_for(x_dtype),
+                                   bias=getattr(base_layer, "bias", None), out_dtype=result.dtype,
+                                   kernels=opts.kernels, kind="linear")
     return dora_compose(result, lora, mag._parameters["weight"], norm, scaling, eps_for(x_dtype),
                         bias=getattr(base_layer, "bias", None), out_dtype=result.dtype, kernels=opts.kernels,
                         kind="linear")

@@ -43,14 +43,14 @@ def _lean_installed(model):
     return [L._is_lean(m.__dict__.get("forward")) for m in _lora_linears(model)]
 
 
-def _triple(dtype=torch.float32, adapter_dtype=None, **kw):
-    """(stock PEFT, fastdora lean, fastdora chain) with identical parameters."""
+def _triple(dtype=torch.float32, adapter_dtype=None, fuse=False, **kw):
+    """(stock PEFT, fastdora lean, fastdora chain) with identical parameters (``fuse``: both with ``fuse_lora_b``)."""
     bias = kw.pop("bias", True)
     ref, lean = make_pair(lambda: MLP(bias=bias), dtype=dtype, enable=False,
                           adapter_dtype=adapter_dtype, **kw)
     chain = copy.deepcopy(lean)
-    fastdora.enable(lean, kernels="eager")
-    fastdora.enable(chain, kernels="eager", lean_forward=False)
+    fastdora.enable(lean, kernels="eager", fuse_lora_b=fuse)
+    fastdora.enable(chain, kernels="eager", lean_forward=False, fuse_lora_b=fuse)
     return ref, lean, chain
 
 
@@ -76,12 +76,15 @@ SETUPS = {
 
 @pytest.mark.parametrize("setup", list(SETUPS))
 @pytest.mark.parametrize("autocast", [False, True])
-def test_lean_equals_chain_and_peft(setup, autocast, peft_forward_calls):
+@pytest.mark.parametrize("fuse", [False, True], ids=["", "fuse_lora_b"])
+def test_lean_equals_chain_and_peft(setup, autocast, fuse, peft_forward_calls):
+    """... and with ``fuse_lora_b`` (lora_B's product in the composition's node: the lean path calls
+    ``dora_compose_lora_b`` where ``FastDoraLinearLayer.forward`` does)."""
     kw = dict(SETUPS[setup])
     dtype = kw["dtype"]
     if autocast and dtype == torch.float64:
         pytest.skip("CPU autocast does not take fp64 inputs")
-    ref, lean, chain = _triple(**kw)
+    ref, lean, chain = _triple(fuse=fuse, **kw)
     x = model_input(lean, dtype)
     ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else torch.enable_grad
 
@@ -103,6 +106,9 @@ def test_lean_equals_chain_and_peft(setup, autocast, peft_forward_calls):
     assert lean_paths == dict(active_path_counter)  # same paths recorded (composition and norm cache)
     _bitwise(out_l, out_c, "output")
     _bitwise_grads(g_l, g_c, "lean vs chain")
+    with ctx():  # the node of the last layer's composition (the model's output)
+        nodes = {type(m(x).grad_fn).__name__ for m in (lean, chain)}
+    assert nodes == ({"_DoraComposeLoraBBackward"} if fuse else {"_DoraComposeBackward"}), nodes
     out_r, g_r = run(ref)
     tol_dtype = torch.bfloat16 if (autocast or dtype == torch.bfloat16) else dtype
     assert_close(out_l, out_r, tol_dtype, "output vs PEFT")

@@ -248,6 +248,79 @@ def _ab_cases(kc, native, device, shapes):
                 assert native.NODE.stats()["fast"] == before + 2, what + ": the templates were not used"
 
 
+def _problem_b(shape, rdt, hdt, mdt, r, bias, seed=1, device="cpu"):
+    """(result, h, lora_B weight, magnitude, norm, bias, dy) for the fused lora_B node (``compose_b``)."""
+    if device != "cpu":
+        return tuple(t.to(device) if t is not None else None for t in _problem_b(shape, rdt, hdt, mdt, r, bias, seed))
+    g = torch.Generator().manual_seed(seed)
+    n = shape[-1]
+    result = torch.randn(shape, generator=g).to(rdt)
+    h = torch.randn(tuple(shape[:-1]) + (r,), generator=g).to(hdt)
+    b = (torch.randn(n, r, generator=g) * 0.3).to(hdt)
+    mag = (torch.rand(n, generator=g) + 0.5).to(mdt)
+    norm = torch.rand(n, generator=g) + 0.5
+    bias_t = torch.randn(n, generator=g).to(rdt) if bias else None
+    dy = torch.randn(shape, generator=g).to(rdt)
+    return result, h, b, mag, norm, bias_t, dy
+
+
+def _run_b(kc, native, use_node, prob, out_dtype, need=(True, True, True, True), autocast=False, scale=0.73,
+           eps=1e-6):
+    """One ``dora_compose_lora_b`` forward + backward on the kernel path (forced for CPU tensors, as on CUDA) through
+    the C++ node's ``compose_b`` (``use_node``) or the Python ``_DoraComposeLoraB`` node."""
+    import contextlib
+
+    from fastdora import dispatch
+    from fastdora.ops import compose as oc
+
+    result, h, b, mag, norm, bias, dy = [t.detach() if t is not None else None for t in prob]
+    for t, want in zip((result, h, b, mag), need):
+        t.requires_grad_(want)
+    saved, real = native.NODE, dispatch.compose_impl
+    native.NODE = saved if use_node else None
+    dispatch.compose_impl = lambda *a, **k: kc.TRITON
+    try:
+        with (torch.autocast(result.device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()):
+            y = oc.dora_compose_lora_b(result, h, b, mag, norm, scale, eps, bias=bias, out_dtype=out_dtype,
+                                       kernels="triton")
+        want = "CppFunction" if use_node else "_DoraComposeLoraBBackward"
+        assert type(y.grad_fn).__name__ == want, type(y.grad_fn).__name__
+        y.backward(dy)
+    finally:
+        native.NODE, dispatch.compose_impl = saved, real
+    return [y.detach()] + [t.grad for t in (result, h, b, mag)]
+
+
+# (result, h and B, magnitude) dtypes and CPU autocast of the fused node's cases
+DTYPES_B = {
+    "fp32": (torch.float32, torch.float32, torch.float32, False),
+    "bf16": (torch.bfloat16, torch.bfloat16, torch.bfloat16, False),  # pure bf16 (bf16 magnitude)
+    "mixed": (torch.bfloat16, torch.float32, torch.float32, False),  # bf16 base, fp32 adapters, no autocast
+    "amp": (torch.bfloat16, torch.float32, torch.float32, True),  # HF Trainer's AMP: lora = lora_B(h) in bf16
+    "fp64": (torch.float64, torch.float64, torch.float64, False),  # no kernel dtype: the eager path from the node
+}
+
+
+def _ab_cases_b(kc, native, device, dname, shapes):
+    """``compose_b`` vs the Python fused node, every shape x bias of ``dname``: first call and templates bitwise."""
+    rdt, hdt, mdt, autocast = DTYPES_B[dname]
+    for shape, r in shapes:
+        for bias in (False, True):
+            prob = _problem_b(shape, rdt, hdt, mdt, r, bias, device=device)
+            ref = _run_b(kc, native, False, prob, rdt, autocast=autocast)
+            first = _run_b(kc, native, True, prob, rdt, autocast=autocast)
+            before = native.NODE.stats()["fast"]
+            second = _run_b(kc, native, True, prob, rdt, autocast=autocast)
+            what = f"{dname} bias={bias} shape={shape}"
+            _assert_bitwise(first, ref, what + " (first call)")
+            _assert_bitwise(second, ref, what + " (again)")
+            if dname != "fp64":  # fp64: the eager path through the Python launchers, no template
+                assert native.NODE.stats()["fast"] == before + 2, what + ": the templates were not used"
+    prob = _problem_b((6, 24), rdt, hdt, mdt, 4, False, seed=2, device=device)  # out_dtype None: promoted
+    _assert_bitwise(_run_b(kc, native, True, prob, None, autocast=autocast),
+                    _run_b(kc, native, False, prob, None, autocast=autocast), dname + " out_dtype=None")
+
+
 # ----------------------------------------------------------------------------------- interpreter (CPU) node tests
 
 if _INNER:
@@ -337,6 +410,73 @@ if _INNER:
         # is the plain forward's, served by its template like every later call
         assert flags == [True, False], flags
 
+    @pytest.mark.parametrize("dname", list(DTYPES_B))
+    def test_compose_b_bitwise_vs_python_node(dname):
+        """``fuse_lora_b``'s node: lora = h @ B^T inside, the backward's d_h / d_B from dy and g*s without d_lora;
+        y and every gradient (result, h, B, magnitude) bitwise the Python node's, first call and templates."""
+        _ab_cases_b(kc, native, "cpu", dname, (((7, 17), 3), ((2, 3, 40), 5), ((33, 48), 8)))
+
+    @pytest.mark.parametrize("need", [(False, True, True, True), (True, False, True, True), (True, True, False, True),
+                                      (True, True, True, False), (False, False, False, True), (False, True, False, False)])
+    def test_compose_b_partial_input_grads(need):
+        for dname in ("fp32", "amp"):
+            rdt, hdt, mdt, autocast = DTYPES_B[dname]
+            prob = _problem_b((9, 24), rdt, hdt, mdt, 4, True, seed=3)
+            ref = _run_b(kc, native, False, prob, rdt, need=need, autocast=autocast)
+            for _ in range(2):
+                _assert_bitwise(_run_b(kc, native, True, prob, rdt, need=need, autocast=autocast), ref,
+                                f"{dname} need={need}")
+
+    @pytest.mark.parametrize("dname", ["fp32", "bf16", "amp"])
+    def test_compose_b_checkpointed(dname):
+        """Non-reentrant checkpointing over the fused node: the first forward saves a placeholder (no inner), the
+        recomputation the real one; every gradient bitwise the plain run's (and the Python node's)."""
+        from torch.utils.checkpoint import checkpoint
+
+        from fastdora import dispatch
+        from fastdora.ops import compose as oc
+
+        rdt, hdt, mdt, autocast = DTYPES_B[dname]
+        prob = _problem_b((11, 72), rdt, hdt, mdt, 6, True, seed=11)  # a shape no other test registers
+        flags = []
+        real_fwd, real_impl = kc.compose_fwd, dispatch.compose_impl
+
+        def spy(*args, **kw):
+            flags.append(args[9])  # save_inner
+            return real_fwd(*args, **kw)
+
+        def fn(r, h, b, m):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                y = oc.dora_compose_lora_b(r, h, b, m, prob[4], 0.6, 1e-6, bias=prob[5], out_dtype=rdt,
+                                           kernels="triton")
+            assert type(y.grad_fn).__name__ == "CppFunction"
+            return y.float().square()
+
+        kc.compose_fwd, dispatch.compose_impl = spy, (lambda *a, **k: kc.TRITON)
+        try:
+            res = []
+            for use_ckpt in (False, True, True):
+                leaves = [t.detach().clone().requires_grad_() for t in prob[:4]]
+                out = checkpoint(fn, *leaves, use_reentrant=False) if use_ckpt else fn(*leaves)
+                out.backward(prob[6].float())
+                res.append([out.detach()] + [t.grad for t in leaves])
+        finally:
+            kc.compose_fwd, dispatch.compose_impl = real_fwd, real_impl
+        _assert_bitwise(res[1], res[0], dname + " checkpointed (first)")
+        _assert_bitwise(res[2], res[0], dname + " checkpointed (again)")
+        # a key's first call reaches the Python launcher: the plain forward (inner saved), then the checkpointed
+        # first forward (no inner); the recomputation is the plain forward's key, served by its template
+        assert flags == [True, False], flags
+        ref = _run_b(kc, native, False, prob, rdt, autocast=autocast, scale=0.6)  # the Python node: the same y
+        assert torch.equal(res[0][0], ref[0].float().square())
+
+    def test_compose_b_placeholder_reaching_backward_raises():
+        prob = _problem_b((6, 16), torch.float32, torch.float32, torch.float32, 3, False)
+        result, h, b, mag = [t.detach().clone().requires_grad_() for t in prob[:4]]
+        y = native.NODE.compose_b(result, h, b, mag, prob[4], None, 0.5, 1e-6, torch.float32, True)
+        with pytest.raises(RuntimeError, match="discarded by gradient checkpointing"):
+            y.backward(prob[6])
+
     def test_reference_counts_unchanged():
         """The node hands Python objects across the C API in both directions: many calls through the Python
         fallback (fp64: the eager path, no template) and through templates leave every reference count as it was
@@ -344,14 +484,21 @@ if _INNER:
         dts = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
         cases = [(_problem((4, 16), torch.float64, torch.float64, True, "cpu"), torch.float64),
                  (_problem((4, 16), torch.bfloat16, torch.float32, True, "cpu"), torch.bfloat16)]
-        for prob, dt in cases:
-            _run(kc, native, True, prob, dt)  # registers what can be registered
+        cases_b = [(_problem_b((4, 16), torch.float64, torch.float64, torch.float64, 2, True), torch.float64, False),
+                   (_problem_b((4, 16), torch.bfloat16, torch.float32, torch.float32, 2, True), None, True)]
+
+        def all_cases():
+            for prob, dt in cases:
+                _run(kc, native, True, prob, dt)
+            for prob, dt, autocast in cases_b:  # compose_b: its out_dtype None and the lora_b_coefs call too
+                _run_b(kc, native, True, prob, dt, autocast=autocast)
+
+        all_cases()  # registers what can be registered
         objs = dts + (None, True, False)
         gc.collect()  # pending garbage would drop references to None / True during the loop
         before = [sys.getrefcount(o) for o in objs]
         for _ in range(30):
-            for prob, dt in cases:
-                _run(kc, native, True, prob, dt)
+            all_cases()
         gc.collect()
         after = [sys.getrefcount(o) for o in objs]
         assert after == before, list(zip(objs, before, after))
@@ -385,10 +532,12 @@ if _INNER:
             torch._dynamo.reset()
         _assert_bitwise([y.detach(), result.grad, lora.grad, mag.grad], ref, "compiled autograd, C++ node")
 
-    def test_peft_model_through_the_node():
+    @pytest.mark.parametrize("fuse", [False, True], ids=["", "fuse_lora_b"])
+    def test_peft_model_through_the_node(fuse):
         """A PEFT DoRA model converted by fastdora with kernels='triton' on CPU tensors is not routed to Triton
         (dispatch keeps CPU on the exact PyTorch path); here the TRITON impl is forced, as on CUDA: a 2-layer MLP's
-        outputs and every parameter gradient bitwise equal with the C++ node and with the Python node."""
+        outputs and every parameter gradient bitwise equal with the C++ node and with the Python node (also with
+        ``fuse_lora_b``: the node's ``compose_b`` vs ``_DoraComposeLoraB``)."""
         import fastdora
         from fastdora import dispatch
         from peft import LoraConfig, get_peft_model
@@ -401,7 +550,7 @@ if _INNER:
             base = nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 16, bias=False))
             pm = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["0", "2"], use_dora=True))
             perturb_(pm)
-            fastdora.enable(pm)
+            fastdora.enable(pm, fuse_lora_b=fuse)
             return pm
 
         real = dispatch.compose_impl
@@ -415,6 +564,8 @@ if _INNER:
                 native.NODE = saved if use_node else None
                 try:
                     y = pm(x)
+                    want = "CppFunction" if use_node else ("_DoraComposeLoraBBackward" if fuse else "_DoraComposeBackward")
+                    assert type(y.grad_fn).__name__ == want, type(y.grad_fn).__name__
                     y.square().sum().backward()
                 finally:
                     native.NODE = saved
@@ -449,10 +600,19 @@ def test_gpu_bitwise_vs_python_node(gpu_node):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dname", ["fp32", "bf16", "amp"])
+def test_gpu_compose_b_bitwise_vs_python_node(gpu_node, dname):
+    kc, native = gpu_node
+    _ab_cases_b(kc, native, "cuda", dname, (((37, 48), 8), ((300, 520), 16), ((2, 129, 256), 64)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fuse", [False, True], ids=["", "fuse_lora_b"])
 @pytest.mark.parametrize("setup", ["amp", "bf16"])
-def test_gpu_peft_model_checkpointed(gpu_node, setup):
+def test_gpu_peft_model_checkpointed(gpu_node, setup, fuse):
     """A transformers Llama (PEFT DoRA, fastdora) with its own gradient checkpointing, AMP and pure bf16: loss and
-    every gradient bitwise equal with the C++ node and the Python node; the node served the calls."""
+    every gradient bitwise equal with the C++ node and the Python node; the node served the calls (also with
+    ``fuse_lora_b``)."""
     kc, native = gpu_node
     import fastdora
     from peft import LoraConfig, get_peft_model
@@ -473,7 +633,7 @@ def test_gpu_peft_model_checkpointed(gpu_node, setup):
             for n_, p in pm.named_parameters():
                 if "lora_B" in n_:
                     p.normal_(0, 0.02)
-        assert fastdora.enable(pm, kernels="triton").native_node == "active"
+        assert fastdora.enable(pm, kernels="triton", fuse_lora_b=fuse).native_node == "active"
         pm.train()
         return pm
 

@@ -714,6 +714,19 @@ if AVAILABLE:
             return node.compose(result, lora, magnitude, norm, bias, float(scale), float(eps), out_dtype, placeholder)
         return _apply_function(result, lora, magnitude, norm, bias, base_delta, scale, eps, out_dtype, feature_dim)
 
+    def _apply_lora_b(result, h, lora_b, magnitude, norm, bias, scale, eps, out_dtype):
+        """``dora_compose_lora_b``'s autograd node on the kernel path (last feature dim, no ``base_delta``): the C++
+        node's ``compose_b`` where it is active (eager mode, no functorch transforms), else None (the caller runs
+        the Python node)."""
+        if torch.compiler.is_compiling():
+            return None
+        node = _native.NODE if _native.NODE is not None else _native.first_node(result)
+        if node is None or _TRANSFORMS_ACTIVE():
+            return None
+        discard = bool(magnitude.requires_grad) and _ops.saves_discarded()
+        return node.compose_b(result, h, lora_b, magnitude, norm, bias, float(scale), float(eps), out_dtype, discard)
+
     _TRANSFORMS_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", None) or (lambda: True)
 
     TRITON.apply = _apply
+    TRITON.apply_lora_b = _apply_lora_b

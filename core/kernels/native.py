@@ -9,7 +9,8 @@ which argument is which tensor role, the stream or a scalar -- and the node fill
 pointers, stream and scalars and calls the compiled launcher, from C++. Whatever no template covers (a key's first
 call, unaligned pointers, a CUDA graph capture in the backward, Triton launch hooks) runs through those Python
 launchers, called from the node. Outputs and gradients are bitwise those of the Python node (same kernels, same
-configs; tests/test_native_node.py, tests/test_gpu_layers.py).
+configs; tests/test_native_node.py, tests/test_gpu_layers.py). ``compose_b`` is the same node with ``lora_B``'s
+product inside (``fuse_lora_b``): it replaces ``fastdora.ops.compose._DoraComposeLoraB``, bitwise.
 
 The extension is compiled on first use with the C++ compiler against the installed torch's headers (no CUDA
 toolkit needed: it launches through Triton's launcher) and cached in ``FASTDORA_CACHE_DIR`` per source / torch /
@@ -111,6 +112,7 @@ def _load():
 
 
 def _configure(mod) -> None:
+    from ..ops import compose as _ops
     from . import _launch
     from . import compose as kc
 
@@ -123,7 +125,13 @@ def _configure(mod) -> None:
                                                     need_dlora=need_dlora)
         return d_result, d_lora, dm
 
-    mod.configure(slow_fwd, slow_bwd, _launch.capturing, _launch.hooks_active, kc._counters)
+    def lora_b_coefs(magnitude, norm, eps, scale, acc64, lora_b, lora_dtype, need_dh, need_db):
+        # the fused lora_B node's per-row g * s, as fastdora.ops.compose._DoraComposeLoraB.backward forms them
+        coefs = _ops._row_coefs(magnitude, norm, eps, scale, torch.float64 if acc64 else torch.float32)
+        return (coefs.scaled_rows(lora_b, lora_dtype) if need_dh else None,
+                coefs.get("gs_col", lora_b.dtype) if need_db else None)
+
+    mod.configure(slow_fwd, slow_bwd, _launch.capturing, _launch.hooks_active, kc._counters, lora_b_coefs)
 
 
 def node(required: Optional[bool] = None):

@@ -532,6 +532,11 @@ def dora_compose_lora_b(
     impl = dispatch.compose_impl(result, h, magnitude, bias, base_delta, -1, kernels)
     if kind is not None:
         record(path_key(kind, impl.name))
+    fused = getattr(impl, "apply_lora_b", None)
+    if fused is not None and base_delta is None:  # the C++ node (fastdora.kernels.native) where it is active
+        y = fused(result, h, lora_b, magnitude, norm, bias, scale, eps, out_dtype)
+        if y is not None:
+            return y
     return _COMPOSE_LORA_B_APPLY(result, h, lora_b, magnitude, bias, base_delta, (norm, scale, eps, out_dtype, impl))
 
 

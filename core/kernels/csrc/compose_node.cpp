@@ -10,11 +10,19 @@
 // same functions the Python path runs), which register templates as they go. The kernels, their arguments and the
 // arithmetic are exactly those of the Python path: only who fills the argument list differs.
 //
-// Module functions (Python): configure(...), register(...), clear(), compose(...), stats().
+// ComposeBNode (fuse_lora_b): the same with lora_B's product inside the node -- lora = h @ B^T in the forward; the
+// backward skips d_lora and computes the gradients of h and B from dy and the per-row g * s (as the Python node
+// fastdora.ops.compose._DoraComposeLoraB does, with the same operations: bitwise the same results).
+//
+// Module functions (Python): configure(...), register(...), clear(), compose(...), compose_b(...), stats().
 
 #include <Python.h>
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/mul.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/csrc/DynamicTypes.h>
@@ -82,6 +90,8 @@ PyObject* g_slow_bwd = nullptr;      // (dy, magnitude, norm, scale, eps, inner,
 PyObject* g_capturing = nullptr;     // () -> bool: the current CUDA stream is capturing a graph
 PyObject* g_hooks_active = nullptr;  // () -> bool: Triton launch hooks are set (the Python launcher serves them)
 PyObject* g_counters = nullptr;      // (dy, n) -> zeroed int32 program counters of dy's current stream
+PyObject* g_lora_b_coefs = nullptr;  // (magnitude, norm, eps, scale, acc64, lora_b, lora_dtype, need_dh, need_db)
+                                     //   -> (B's rows scaled by g * s, or None; the [d_out, 1] g * s, or None)
 int64_t g_fast = 0, g_slow = 0;      // launches through templates / through the Python launchers
 bool g_host_templates = false;       // tests: compiled-launcher templates on CPU tensors (their argument layout)
 
@@ -199,9 +209,10 @@ void launch(const Template& tp, const at::Tensor* by_role, double scale, double 
 }
 
 struct Extra {  // the node's non-differentiable inputs
-  at::Tensor norm, bias, placeholder;
+  at::Tensor norm, bias, placeholder;  // placeholder (ComposeNode): saved instead of inner when defined
   double scale, eps;
   at::ScalarType out_dtype;
+  bool discard = false;  // ComposeBNode: save a placeholder instead of inner (made once lora's dtype is known)
 };
 
 struct GIL {
@@ -210,52 +221,136 @@ struct GIL {
   ~GIL() { PyGILState_Release(s); }
 };
 
+// The composition's forward launch: (y, inner), inner only with save_inner. Needs the GIL.
+std::pair<at::Tensor, at::Tensor> run_fwd(const at::Tensor& result, const at::Tensor& lora,
+                                          const at::Tensor& magnitude, const Extra& ex, bool save_inner) {
+  at::Tensor y, inner;
+  const int64_t N = result.dim() ? result.size(-1) : 1;
+  const int64_t M = N ? result.numel() / N : 0;
+  TemplatePtr tp;
+  if (M > 0 && N > 0 && row_major(result, N) && lora.sizes() == result.sizes() && row_major(lora, N) &&
+      vec_ok(magnitude, N) && vec_ok(ex.norm, N) && (!ex.bias.defined() || vec_ok(ex.bias, N)) &&
+      aligned(result) && aligned(lora) && aligned(magnitude) && aligned(ex.norm) &&
+      (!ex.bias.defined() || aligned(ex.bias))) {
+    auto it = g_templates.find(fwd_key(result, lora, ex.out_dtype, magnitude, ex.norm, ex.bias, save_inner, M, N));
+    if (it != g_templates.end() && (result.is_cuda() || it->second->tensor_args || g_host_templates))
+      tp = it->second;
+  }
+  if (tp && !call_bool(g_hooks_active)) {
+    y = at::empty(result.sizes(), result.options().dtype(ex.out_dtype));
+    if (save_inner)
+      inner = at::empty(result.sizes(), result.options().dtype(c10::promoteTypes(result.scalar_type(),
+                                                                                 lora.scalar_type())));
+    at::Tensor roles[7] = {result, lora, ex.bias.defined() ? ex.bias : magnitude, magnitude, ex.norm, y,
+                           save_inner ? inner : y};
+    c10::OptionalDeviceGuard guard;
+    if (result.is_cuda()) guard.reset_device(result.device());
+    launch(*tp, roles, ex.scale, ex.eps, result);
+  } else {
+    ++g_slow;
+    // "N": new references handed over (the wrapped tensors); "O": borrowed (getTHPDtype's dtype objects, bools)
+    PyObject* r = PyObject_CallFunction(
+        g_slow_fwd, "NNNNNddOO", wrap(result), wrap(lora), wrap(magnitude), wrap(ex.norm), wrap(ex.bias), ex.scale,
+        ex.eps, reinterpret_cast<PyObject*>(torch::getTHPDtype(ex.out_dtype)), save_inner ? Py_True : Py_False);
+    auto out = fallback_result(r, 2, "slow_fwd");
+    y = out[0];
+    inner = out[1];
+  }
+  return {y, inner};
+}
+
+// The composition's backward launch for the requested gradients: (d_result, d_lora, dm). Needs the GIL.
+std::vector<at::Tensor> run_bwd(const at::Tensor& dy, const at::Tensor& inner, const at::Tensor& magnitude,
+                                const at::Tensor& norm, double scale, double eps, at::ScalarType rd, at::ScalarType ld,
+                                bool need_dres, bool need_dlora, bool need_dm) {
+  at::Tensor d_result, d_lora, dm;
+  const int64_t N = dy.dim() ? dy.size(-1) : 1;
+  const int64_t M = N ? dy.numel() / N : 0;
+  TemplatePtr tp;  // released on return, under the caller's GIL
+  if (M > 0 && N > 0 && row_major(dy, N) && vec_ok(magnitude, N) && vec_ok(norm, N) && aligned(dy) &&
+      aligned(magnitude) && aligned(norm) &&
+      (!need_dm || (inner.sizes() == dy.sizes() && row_major(inner, N) && aligned(inner)))) {
+    auto it = g_templates.find(bwd_key(dy, need_dm ? inner : at::Tensor(), rd, ld, magnitude, norm, need_dres,
+                                       need_dlora, need_dm, M, N));
+    if (it != g_templates.end() && (dy.is_cuda() || it->second->tensor_args || g_host_templates))
+      tp = it->second;
+  }
+  if (tp && ((dy.is_cuda() && call_bool(g_capturing)) || call_bool(g_hooks_active))) tp.reset();
+  at::Tensor counts;
+  if (tp && tp->n_counters > 0) {
+    PyObject* c = PyObject_CallFunction(g_counters, "NL", wrap(dy), static_cast<long long>(tp->n_counters));
+    if (!c) throw_py();
+    if (c == Py_None) {
+      tp.reset();  // no counters here: the Python launcher's two-kernel reduction
+    } else {
+      counts = unwrap(c);
+    }
+    Py_DECREF(c);
+  }
+  if (tp) {
+    if (need_dres) d_result = at::empty(dy.sizes(), dy.options().dtype(rd));
+    if (need_dlora) d_lora = at::empty(dy.sizes(), dy.options().dtype(ld));
+    at::Tensor part;
+    if (need_dm) {
+      dm = at::empty(magnitude.sizes(), magnitude.options());
+      part = at::empty({tp->n_parts, N}, dy.options().dtype(at::kFloat));
+    }
+    at::Tensor roles[19];
+    roles[B_DY] = dy;
+    roles[B_INNER] = need_dm ? inner : dy;
+    roles[B_MAG] = magnitude;
+    roles[B_NORM] = norm;
+    roles[B_DRES] = need_dres ? d_result : dy;
+    roles[B_DLORA] = need_dlora ? d_lora : dy;
+    roles[B_PART_DM] = need_dm ? part : magnitude;
+    roles[B_DM] = need_dm ? dm : magnitude;
+    roles[B_COUNTS] = counts.defined() ? counts : magnitude;
+    c10::OptionalDeviceGuard guard;
+    if (dy.is_cuda()) guard.reset_device(dy.device());
+    launch(*tp, roles, scale, eps, dy);
+  } else {
+    ++g_slow;
+    PyObject* r = PyObject_CallFunction(
+        g_slow_bwd, "NNNddNOOOOO", wrap(dy), wrap(magnitude), wrap(norm), scale, eps, wrap(inner),
+        reinterpret_cast<PyObject*>(torch::getTHPDtype(rd)), reinterpret_cast<PyObject*>(torch::getTHPDtype(ld)),
+        need_dm ? Py_True : Py_False, need_dres ? Py_True : Py_False, need_dlora ? Py_True : Py_False);
+    auto out = fallback_result(r, 3, "slow_bwd");
+    d_result = out[0];
+    d_lora = out[1];
+    dm = out[2];
+  }
+  return {need_dres ? d_result : at::Tensor(), need_dlora ? d_lora : at::Tensor(), need_dm ? dm : at::Tensor()};
+}
+
+// the saved inner, refusing a checkpointing placeholder (a zero-stride view)
+at::Tensor saved_inner(const at::Tensor& inner) {
+  if (inner.dim() && inner.stride(-1) == 0 && inner.numel() > 1)
+    TORCH_CHECK(false, "fastdora: the composition's saved activation was discarded by gradient checkpointing "
+                       "but its backward ran without the recomputed one; please report this");
+  return inner;
+}
+
+// what both nodes' backwards read besides the saved tensors
+void save_common(AutogradContext* ctx, const at::Tensor& magnitude, const Extra& ex, const at::Tensor& result,
+                 const at::Tensor& lora, bool need_dm) {
+  ctx->saved_data["m"] = magnitude;
+  ctx->saved_data["n"] = ex.norm;
+  ctx->saved_data["s"] = ex.scale;
+  ctx->saved_data["e"] = ex.eps;
+  ctx->saved_data["rd"] = st(result);
+  ctx->saved_data["ld"] = st(lora);
+  ctx->saved_data["dm"] = need_dm;
+}
+
 struct ComposeNode : public torch::autograd::Function<ComposeNode> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& result, const at::Tensor& lora,
                             const at::Tensor& magnitude, const Extra& ex) {
     const bool need_dm = magnitude.requires_grad();
     const bool discard = ex.placeholder.defined();
-    const bool save_inner = need_dm && !discard;
-    at::Tensor y, inner;
-    const int64_t N = result.dim() ? result.size(-1) : 1;
-    const int64_t M = N ? result.numel() / N : 0;
-    TemplatePtr tp;
-    if (M > 0 && N > 0 && row_major(result, N) && lora.sizes() == result.sizes() && row_major(lora, N) &&
-        vec_ok(magnitude, N) && vec_ok(ex.norm, N) && (!ex.bias.defined() || vec_ok(ex.bias, N)) &&
-        aligned(result) && aligned(lora) && aligned(magnitude) && aligned(ex.norm) &&
-        (!ex.bias.defined() || aligned(ex.bias))) {
-      auto it = g_templates.find(fwd_key(result, lora, ex.out_dtype, magnitude, ex.norm, ex.bias, save_inner, M, N));
-      if (it != g_templates.end() && (result.is_cuda() || it->second->tensor_args || g_host_templates))
-        tp = it->second;
-    }
-    if (tp && !call_bool(g_hooks_active)) {
-      y = at::empty(result.sizes(), result.options().dtype(ex.out_dtype));
-      if (save_inner)
-        inner = at::empty(result.sizes(), result.options().dtype(c10::promoteTypes(result.scalar_type(),
-                                                                                   lora.scalar_type())));
-      at::Tensor roles[7] = {result, lora, ex.bias.defined() ? ex.bias : magnitude, magnitude, ex.norm, y,
-                             save_inner ? inner : y};
-      c10::OptionalDeviceGuard guard;
-      if (result.is_cuda()) guard.reset_device(result.device());
-      launch(*tp, roles, ex.scale, ex.eps, result);
-    } else {
-      ++g_slow;
-      // "N": new references handed over (the wrapped tensors); "O": borrowed (getTHPDtype's dtype objects, bools)
-      PyObject* r = PyObject_CallFunction(
-          g_slow_fwd, "NNNNNddOO", wrap(result), wrap(lora), wrap(magnitude), wrap(ex.norm), wrap(ex.bias), ex.scale,
-          ex.eps, reinterpret_cast<PyObject*>(torch::getTHPDtype(ex.out_dtype)), save_inner ? Py_True : Py_False);
-      auto out = fallback_result(r, 2, "slow_fwd");
-      y = out[0];
-      inner = out[1];
-    }
+    auto yi = run_fwd(result, lora, magnitude, ex, need_dm && !discard);
+    at::Tensor y = yi.first, inner = yi.second;
     if (discard) inner = ex.placeholder;
-    ctx->saved_data["m"] = magnitude;
-    ctx->saved_data["n"] = ex.norm;
-    ctx->saved_data["s"] = ex.scale;
-    ctx->saved_data["e"] = ex.eps;
-    ctx->saved_data["rd"] = st(result);
-    ctx->saved_data["ld"] = st(lora);
-    ctx->saved_data["dm"] = need_dm;
+    save_common(ctx, magnitude, ex, result, lora, need_dm);
     if (need_dm) ctx->save_for_backward({inner});
     return y;
   }
@@ -263,88 +358,91 @@ struct ComposeNode : public torch::autograd::Function<ComposeNode> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const bool need_dres = ctx->needs_input_grad(0), need_dlora = ctx->needs_input_grad(1);
     const bool need_dm = ctx->saved_data["dm"].toBool() && ctx->needs_input_grad(2);
-    at::Tensor d_result, d_lora, dm;
-    if (!(need_dres || need_dlora || need_dm)) return {d_result, d_lora, dm, at::Tensor()};
+    if (!(need_dres || need_dlora || need_dm)) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     at::Tensor inner;
-    if (ctx->saved_data["dm"].toBool()) {
-      inner = ctx->get_saved_variables()[0];
-      if (inner.dim() && inner.stride(-1) == 0 && inner.numel() > 1)
-        TORCH_CHECK(false, "fastdora: the composition's saved activation was discarded by gradient checkpointing "
-                           "but its backward ran without the recomputed one; please report this");
-    }
+    if (ctx->saved_data["dm"].toBool()) inner = saved_inner(ctx->get_saved_variables()[0]);
+    const at::Tensor dy = grads[0].contiguous();
+    GIL gil;
+    auto g = run_bwd(dy, inner, ctx->saved_data["m"].toTensor(), ctx->saved_data["n"].toTensor(),
+                     ctx->saved_data["s"].toDouble(), ctx->saved_data["e"].toDouble(),
+                     static_cast<at::ScalarType>(ctx->saved_data["rd"].toInt()),
+                     static_cast<at::ScalarType>(ctx->saved_data["ld"].toInt()), need_dres, need_dlora, need_dm);
+    return {g[0], g[1], g[2], at::Tensor()};
+  }
+};
+
+struct ComposeBNode : public torch::autograd::Function<ComposeBNode> {
+  // inputs: result, h (lora_A's output), lora_b (B's weight), magnitude; lora = linear(h, lora_b) here
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& result, const at::Tensor& h,
+                            const at::Tensor& lora_b, const at::Tensor& magnitude, const Extra& ex_in) {
+    const at::Tensor lora = at::linear(h, lora_b);  // under autocast: in the autocast dtype, as lora_B(h)
+    Extra ex = ex_in;
+    if (ex.out_dtype == at::ScalarType::Undefined) ex.out_dtype = c10::promoteTypes(result.scalar_type(),
+                                                                                     lora.scalar_type());
+    const bool need_dm = magnitude.requires_grad();
+    const bool discard = ex.discard;
+    auto yi = run_fwd(result, lora, magnitude, ex, need_dm && !discard);
+    at::Tensor y = yi.first, inner = yi.second;
+    if (need_dm && discard)  // a zero-stride view of inner's shape / dtype / device (ops.compose._inner_placeholder)
+      inner = at::empty({}, result.options().dtype(c10::promoteTypes(result.scalar_type(), lora.scalar_type())))
+                  .expand(result.sizes());
+    save_common(ctx, magnitude, ex, result, lora, need_dm);
+    ctx->save_for_backward({h, lora_b, need_dm ? inner : at::Tensor()});
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const bool need_dres = ctx->needs_input_grad(0), need_dh = ctx->needs_input_grad(1);
+    const bool need_db = ctx->needs_input_grad(2);
+    const bool need_dm = ctx->saved_data["dm"].toBool() && ctx->needs_input_grad(3);
+    if (!(need_dres || need_dh || need_db || need_dm))
+      return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor h = saved[0], lora_b = saved[1];
+    at::Tensor inner;
+    if (ctx->saved_data["dm"].toBool()) inner = saved_inner(saved[2]);
     const at::Tensor magnitude = ctx->saved_data["m"].toTensor();
     const at::Tensor norm = ctx->saved_data["n"].toTensor();
     const double scale = ctx->saved_data["s"].toDouble(), eps = ctx->saved_data["e"].toDouble();
-    const auto rd = static_cast<at::ScalarType>(ctx->saved_data["rd"].toInt());
     const auto ld = static_cast<at::ScalarType>(ctx->saved_data["ld"].toInt());
     const at::Tensor dy = grads[0].contiguous();
-    const int64_t N = dy.dim() ? dy.size(-1) : 1;
-    const int64_t M = N ? dy.numel() / N : 0;
     GIL gil;
-    TemplatePtr tp;  // released before the GIL (declared after it)
-    if (M > 0 && N > 0 && row_major(dy, N) && vec_ok(magnitude, N) && vec_ok(norm, N) && aligned(dy) &&
-        aligned(magnitude) && aligned(norm) &&
-        (!need_dm || (inner.sizes() == dy.sizes() && row_major(inner, N) && aligned(inner)))) {
-      auto it = g_templates.find(bwd_key(dy, need_dm ? inner : at::Tensor(), rd, ld, magnitude, norm, need_dres,
-                                         need_dlora, need_dm, M, N));
-      if (it != g_templates.end() && (dy.is_cuda() || it->second->tensor_args || g_host_templates))
-        tp = it->second;
+    at::Tensor d_result, dm, d_h, d_b;
+    if (need_dres || need_dm) {
+      auto g = run_bwd(dy, inner, magnitude, norm, scale, eps,
+                       static_cast<at::ScalarType>(ctx->saved_data["rd"].toInt()), ld, need_dres, false, need_dm);
+      d_result = g[0];
+      dm = g[2];
     }
-    if (tp && ((dy.is_cuda() && call_bool(g_capturing)) || call_bool(g_hooks_active))) tp.reset();
-    at::Tensor counts;
-    if (tp && tp->n_counters > 0) {
-      PyObject* c = PyObject_CallFunction(g_counters, "NL", wrap(dy), static_cast<long long>(tp->n_counters));
-      if (!c) throw_py();
-      if (c == Py_None) {
-        tp.reset();  // no counters here: the Python launcher's two-kernel reduction
-      } else {
-        counts = unwrap(c);
-      }
-      Py_DECREF(c);
-    }
-    if (tp) {
-      if (need_dres) d_result = at::empty(dy.sizes(), dy.options().dtype(rd));
-      if (need_dlora) d_lora = at::empty(dy.sizes(), dy.options().dtype(ld));
-      at::Tensor part;
-      if (need_dm) {
-        dm = at::empty(magnitude.sizes(), magnitude.options());
-        part = at::empty({tp->n_parts, N}, dy.options().dtype(at::kFloat));
-      }
-      at::Tensor roles[19];
-      roles[B_DY] = dy;
-      roles[B_INNER] = need_dm ? inner : dy;
-      roles[B_MAG] = magnitude;
-      roles[B_NORM] = norm;
-      roles[B_DRES] = need_dres ? d_result : dy;
-      roles[B_DLORA] = need_dlora ? d_lora : dy;
-      roles[B_PART_DM] = need_dm ? part : magnitude;
-      roles[B_DM] = need_dm ? dm : magnitude;
-      roles[B_COUNTS] = counts.defined() ? counts : magnitude;
-      c10::OptionalDeviceGuard guard;
-      if (dy.is_cuda()) guard.reset_device(dy.device());
-      launch(*tp, roles, scale, eps, dy);
-    } else {
-      ++g_slow;
+    if (need_dh || need_db) {
+      // the per-row g * s from the Python side (cached per step on the norm: fastdora.ops.compose._row_coefs)
+      const bool acc64 = dy.scalar_type() == at::kDouble || magnitude.scalar_type() == at::kDouble;
       PyObject* r = PyObject_CallFunction(
-          g_slow_bwd, "NNNddNOOOOO", wrap(dy), wrap(magnitude), wrap(norm), scale, eps, wrap(inner),
-          reinterpret_cast<PyObject*>(torch::getTHPDtype(rd)), reinterpret_cast<PyObject*>(torch::getTHPDtype(ld)),
-          need_dm ? Py_True : Py_False, need_dres ? Py_True : Py_False, need_dlora ? Py_True : Py_False);
-      auto out = fallback_result(r, 3, "slow_bwd");
-      d_result = out[0];
-      d_lora = out[1];
-      dm = out[2];
+          g_lora_b_coefs, "NNddONOOO", wrap(magnitude), wrap(norm), eps, scale, acc64 ? Py_True : Py_False,
+          wrap(lora_b), reinterpret_cast<PyObject*>(torch::getTHPDtype(ld)), need_dh ? Py_True : Py_False,
+          need_db ? Py_True : Py_False);
+      auto coefs = fallback_result(r, 2, "lora_b_coefs");
+      const at::Tensor dyl = dy.scalar_type() == ld ? dy : dy.to(ld);
+      const int64_t N = dy.size(-1);
+      if (need_dh) {  // d_h = (g s dy) @ B = dy @ (g s * B)
+        d_h = at::matmul(dyl, coefs[0]);
+        if (d_h.scalar_type() != h.scalar_type()) d_h = d_h.to(h.scalar_type());
+      }
+      if (need_db) {  // d_B = g s * (dy^T h)
+        const at::Tensor hl = h.scalar_type() == ld ? h : h.to(ld);
+        d_b = at::mul(at::mm(dyl.reshape({-1, N}).t(), hl.reshape({-1, h.size(-1)})), coefs[1]);
+      }
     }
-    return {need_dres ? d_result : at::Tensor(), need_dlora ? d_lora : at::Tensor(), need_dm ? dm : at::Tensor(),
-            at::Tensor()};
+    return {need_dres ? d_result : at::Tensor(), d_h, d_b, need_dm ? dm : at::Tensor(), at::Tensor()};
   }
 };
 
 PyObject* py_configure(PyObject*, PyObject* args) {
-  PyObject *f, *b, *c, *h, *k;
-  if (!PyArg_ParseTuple(args, "OOOOO", &f, &b, &c, &h, &k)) return nullptr;
-  PyObject** slots[5] = {&g_slow_fwd, &g_slow_bwd, &g_capturing, &g_hooks_active, &g_counters};
-  PyObject* vals[5] = {f, b, c, h, k};
-  for (int i = 0; i < 5; ++i) {
+  PyObject *f, *b, *c, *h, *k, *lb;
+  if (!PyArg_ParseTuple(args, "OOOOOO", &f, &b, &c, &h, &k, &lb)) return nullptr;
+  PyObject** slots[6] = {&g_slow_fwd, &g_slow_bwd, &g_capturing, &g_hooks_active, &g_counters, &g_lora_b_coefs};
+  PyObject* vals[6] = {f, b, c, h, k, lb};
+  for (int i = 0; i < 6; ++i) {
     Py_INCREF(vals[i]);
     Py_XDECREF(*slots[i]);
     *slots[i] = vals[i];
@@ -440,8 +538,31 @@ PyObject* py_compose(PyObject*, PyObject* const* a, Py_ssize_t n) {
   END_HANDLE_TH_ERRORS
 }
 
+// compose_b(result, h, lora_b, magnitude, norm, bias, scale, eps, out_dtype or None, discard) -> y (autograd-aware)
+PyObject* py_compose_b(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  HANDLE_TH_ERRORS
+  if (n != 10) {
+    PyErr_SetString(PyExc_TypeError, "fastdora native node: compose_b takes 10 arguments");
+    return nullptr;
+  }
+  Extra ex;
+  ex.norm = unwrap(a[4]);
+  ex.bias = unwrap(a[5]);
+  ex.scale = PyFloat_AsDouble(a[6]);
+  ex.eps = PyFloat_AsDouble(a[7]);
+  if (PyErr_Occurred()) return nullptr;
+  ex.out_dtype = a[8] == Py_None ? at::ScalarType::Undefined : dtype_of(a[8]);
+  const int discard = PyObject_IsTrue(a[9]);
+  if (discard < 0) return nullptr;
+  ex.discard = discard != 0;
+  at::Tensor y = ComposeBNode::apply(unwrap(a[0]), unwrap(a[1]), unwrap(a[2]), unwrap(a[3]), ex);
+  return THPVariable_Wrap(y);
+  END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef methods[] = {
-    {"configure", py_configure, METH_VARARGS, "configure(slow_fwd, slow_bwd, capturing, hooks_active, counters)"},
+    {"configure", py_configure, METH_VARARGS,
+     "configure(slow_fwd, slow_bwd, capturing, hooks_active, counters, lora_b_coefs)"},
     {"register", py_register, METH_VARARGS, "register a launch template"},
     {"clear", py_clear, METH_NOARGS, "drop every template and reset the counters"},
     {"testing_host_templates", py_host_templates, METH_O,
@@ -449,6 +570,8 @@ PyMethodDef methods[] = {
     {"stats", py_stats, METH_NOARGS, "{'fast': launches through templates, 'slow': through Python, 'templates'}"},
     {"compose", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_compose)), METH_FASTCALL,
      "compose(result, lora, magnitude, norm, bias, scale, eps, out_dtype, placeholder) -> y"},
+    {"compose_b", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_compose_b)), METH_FASTCALL,
+     "compose_b(result, h, lora_b, magnitude, norm, bias, scale, eps, out_dtype or None, discard) -> y"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "fastdora_compose_node", nullptr, -1, methods};
