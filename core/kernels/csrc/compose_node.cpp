@@ -518,6 +518,15 @@ PyObject* py_register(PyObject*, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
+// the arguments (norm, bias, scale, eps) at a[0..3] into ex; false with a Python error set
+bool parse_extra(PyObject* const* a, Extra& ex) {
+  ex.norm = unwrap(a[0]);
+  ex.bias = unwrap(a[1]);
+  ex.scale = PyFloat_AsDouble(a[2]);
+  ex.eps = PyFloat_AsDouble(a[3]);
+  return !PyErr_Occurred();
+}
+
 // compose(result, lora, magnitude, norm, bias, scale, eps, out_dtype, placeholder) -> y (autograd-aware)
 PyObject* py_compose(PyObject*, PyObject* const* a, Py_ssize_t n) {
   HANDLE_TH_ERRORS
@@ -526,11 +535,7 @@ PyObject* py_compose(PyObject*, PyObject* const* a, Py_ssize_t n) {
     return nullptr;
   }
   Extra ex;
-  ex.norm = unwrap(a[3]);
-  ex.bias = unwrap(a[4]);
-  ex.scale = PyFloat_AsDouble(a[5]);
-  ex.eps = PyFloat_AsDouble(a[6]);
-  if (PyErr_Occurred()) return nullptr;
+  if (!parse_extra(a + 3, ex)) return nullptr;
   ex.out_dtype = dtype_of(a[7]);
   ex.placeholder = unwrap(a[8]);
   at::Tensor y = ComposeNode::apply(unwrap(a[0]), unwrap(a[1]), unwrap(a[2]), ex);
@@ -546,11 +551,7 @@ PyObject* py_compose_b(PyObject*, PyObject* const* a, Py_ssize_t n) {
     return nullptr;
   }
   Extra ex;
-  ex.norm = unwrap(a[4]);
-  ex.bias = unwrap(a[5]);
-  ex.scale = PyFloat_AsDouble(a[6]);
-  ex.eps = PyFloat_AsDouble(a[7]);
-  if (PyErr_Occurred()) return nullptr;
+  if (!parse_extra(a + 4, ex)) return nullptr;
   ex.out_dtype = a[8] == Py_None ? at::ScalarType::Undefined : dtype_of(a[8]);
   const int discard = PyObject_IsTrue(a[9]);
   if (discard < 0) return nullptr;
