@@ -285,7 +285,8 @@ def run_worker(a):
     rec["warmup_grad_s"] = t
     # the objects alive now (the imported modules, the model, the warm-up's) are left out of later collections: a
     # full collection would otherwise walk the whole heap inside a timed iteration (0.33-0.42 s in every process of
-    # session 23's call 1, one iteration in five); iterations still pay their own garbage's collections (grad_iter_gc_ms)
+    # session 23's call 1, one iteration in five); iterations still pay their own garbage's collections
+    # (grad_iter_gc_ms)
     gc.collect()
     gc.freeze()
     rec["norm_invalidated_per_step"] = probe._version > v0

@@ -675,8 +675,9 @@ def lean_linear_forward(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
     are identical. Every other call goes to the class's own ``forward`` (PEFT's, which routes through the fastdora
     variant as before): extra arguments (``adapter_names``, variant kwargs), adapters disabled or merged, not exactly
     one active adapter present on the layer, an adapter not converted to fastdora, dropout in training mode, hooks
-    on the magnitude module or global module hooks, distributed engines, ``torch.compile`` / JIT tracing. The base layer, ``lora_A`` and ``lora_B`` are called as modules unless they are bare ``nn.Linear``
-    modules (then ``F.linear`` on their parameters: what their call runs).
+    on the magnitude module or global module hooks, distributed engines, ``torch.compile`` / JIT tracing. The base
+    layer, ``lora_A`` and ``lora_B`` are called as modules unless they are bare ``nn.Linear`` modules (then
+    ``F.linear`` on their parameters: what their call runs).
 
     One operation is left out where leaving it out is exact: under autocast with fp32 adapters and activations in
     the autocast dtype (HF Trainer's AMP), PEFT's cast of the input to fp32 before ``lora_A`` is undone by

@@ -417,7 +417,8 @@ if _INNER:
         _ab_cases_b(kc, native, "cpu", dname, (((7, 17), 3), ((2, 3, 40), 5), ((33, 48), 8)))
 
     @pytest.mark.parametrize("need", [(False, True, True, True), (True, False, True, True), (True, True, False, True),
-                                      (True, True, True, False), (False, False, False, True), (False, True, False, False)])
+                                      (True, True, True, False), (False, False, False, True),
+                                      (False, True, False, False)])
     def test_compose_b_partial_input_grads(need):
         for dname in ("fp32", "amp"):
             rdt, hdt, mdt, autocast = DTYPES_B[dname]
@@ -564,7 +565,8 @@ if _INNER:
                 native.NODE = saved if use_node else None
                 try:
                     y = pm(x)
-                    want = "CppFunction" if use_node else ("_DoraComposeLoraBBackward" if fuse else "_DoraComposeBackward")
+                    want = ("CppFunction" if use_node else
+                            "_DoraComposeLoraBBackward" if fuse else "_DoraComposeBackward")
                     assert type(y.grad_fn).__name__ == want, type(y.grad_fn).__name__
                     y.square().sum().backward()
                 finally:
