@@ -715,11 +715,9 @@ if AVAILABLE:
         return _apply_function(result, lora, magnitude, norm, bias, base_delta, scale, eps, out_dtype, feature_dim)
 
     def _apply_lora_b(result, h, lora_b, magnitude, norm, bias, scale, eps, out_dtype):
-        """``dora_compose_lora_b``'s autograd node on the kernel path (last feature dim, no ``base_delta``): the C++
-        node's ``compose_b`` where it is active (eager mode, no functorch transforms), else None (the caller runs
-        the Python node)."""
-        if torch.compiler.is_compiling():
-            return None
+        """``dora_compose_lora_b``'s autograd node on the kernel path (last feature dim, no ``base_delta``; its only
+        caller, which has returned already under ``torch.compile`` or without grad): the C++ node's ``compose_b``
+        where it is active (no functorch transforms), else None (the caller runs the Python node)."""
         node = _native.NODE if _native.NODE is not None else _native.first_node(result)
         if node is None or _TRANSFORMS_ACTIVE():
             return None

@@ -126,10 +126,8 @@ def _configure(mod) -> None:
         return d_result, d_lora, dm
 
     def lora_b_coefs(magnitude, norm, eps, scale, acc64, lora_b, lora_dtype, need_dh, need_db):
-        # the fused lora_B node's per-row g * s, as fastdora.ops.compose._DoraComposeLoraB.backward forms them
-        coefs = _ops._row_coefs(magnitude, norm, eps, scale, torch.float64 if acc64 else torch.float32)
-        return (coefs.scaled_rows(lora_b, lora_dtype) if need_dh else None,
-                coefs.get("gs_col", lora_b.dtype) if need_db else None)
+        return _ops.lora_b_row_scales(magnitude, norm, eps, scale, torch.float64 if acc64 else torch.float32,
+                                      lora_b, lora_dtype, need_dh, need_db)
 
     mod.configure(slow_fwd, slow_bwd, _launch.capturing, _launch.hooks_active, kc._counters, lora_b_coefs)
 

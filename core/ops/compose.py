@@ -487,18 +487,27 @@ class _DoraComposeLoraB(torch.autograd.Function):
             d_bias = d_bias.to(ctx.bias_dtype)
         d_h = d_b = None
         if nig[1] or nig[2]:
-            coefs = _row_coefs(ctx.magnitude, norm, eps, scale, acc_dtype_for(dy, ctx.magnitude))
+            scaled_b, gs_col = lora_b_row_scales(ctx.magnitude, norm, eps, scale, acc_dtype_for(dy, ctx.magnitude),
+                                                 lora_b, lora_dtype, nig[1], nig[2])
             dyl = dy if dy.dtype == lora_dtype else dy.to(lora_dtype)
             if nig[1]:  # d_h = (gs * dy) @ B = dy @ (gs * B), B in the product's dtype (as lora_B's backward)
-                d_h = torch.matmul(dyl, coefs.scaled_rows(lora_b, lora_dtype))
+                d_h = torch.matmul(dyl, scaled_b)
                 if d_h.dtype != h.dtype:
                     d_h = d_h.to(h.dtype)
             if nig[2]:  # d_B = gs * (dy^T h): the product in the activations' dtype
                 hl = h if h.dtype == lora_dtype else h.to(lora_dtype)
                 # bf16 product x gs in B's dtype: fp32 B (AMP) gets an fp32 result, bf16 B one rounding of the scale
-                d_b = torch.mul(torch.mm(dyl.reshape(-1, dy.shape[-1]).t(), hl.reshape(-1, h.shape[-1])),
-                                coefs.get("gs_col", lora_b.dtype))
+                d_b = torch.mul(torch.mm(dyl.reshape(-1, dy.shape[-1]).t(), hl.reshape(-1, h.shape[-1])), gs_col)
         return d_result, d_h, d_b, dm, d_bias, d_bd, None
+
+
+def lora_b_row_scales(magnitude, norm, eps, scale, acc, lora_b, lora_dtype, need_dh, need_db):
+    """The fused lora_B node's per-row factors (``_DoraComposeLoraB`` and the C++ node's ``compose_b`` both use
+    these): ``(g*s * B in lora_dtype or None, the [d_out, 1] g*s in B's dtype or None)``, from the per-step cached
+    row coefficients."""
+    coefs = _row_coefs(magnitude, norm, eps, scale, acc)
+    return (coefs.scaled_rows(lora_b, lora_dtype) if need_dh else None,
+            coefs.get("gs_col", lora_b.dtype) if need_db else None)
 
 
 _COMPOSE_APPLY = _direct_apply(_DoraCompose)

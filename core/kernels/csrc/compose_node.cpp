@@ -415,7 +415,7 @@ struct ComposeBNode : public torch::autograd::Function<ComposeBNode> {
       dm = g[2];
     }
     if (need_dh || need_db) {
-      // the per-row g * s from the Python side (cached per step on the norm: fastdora.ops.compose._row_coefs)
+      // the per-row g * s from the Python side (fastdora.ops.compose.lora_b_row_scales, cached per step)
       const bool acc64 = dy.scalar_type() == at::kDouble || magnitude.scalar_type() == at::kDouble;
       PyObject* r = PyObject_CallFunction(
           g_lora_b_coefs, "NNddONOOO", wrap(magnitude), wrap(norm), eps, scale, acc64 ? Py_True : Py_False,
