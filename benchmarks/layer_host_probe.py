@@ -20,7 +20,8 @@ rounds):
 
 Setups: ``fp32`` (fp32 model), ``amp`` (fp32 model under CPU bf16 autocast: the half-precision composition path),
 ``bf16`` (bf16 model and adapters: pure bf16; until session 22 the adapters stayed fp32, PEFT's default upcast,
-i.e. bf16 base with fp32 adapters and no autocast). Modes: ``train`` (forward + backward, as in a training step) and ``infer`` (no-grad forward).
+i.e. bf16 base with fp32 adapters and no autocast). Modes: ``train`` (forward + backward, as in a training step)
+and ``infer`` (no-grad forward).
 The numbers are per layer and per call, in microseconds of this thread's CPU time (``time.thread_time``: host work,
 not time spent descheduled), on the machine that runs the script: use them for
 before/after comparisons of the host path (same machine, same run), not as device timings.

@@ -19,15 +19,7 @@ set -uo pipefail
 source benchmarks/_env.sh
 export FASTDORA_CACHE_DIR=${FASTDORA_CACHE_DIR:-/tmp/fdcache}
 t0=$(date +%s)
-bench() {  # plan, budget [, extra model_bench arguments]
-  timeout $(( $2 + 65 )) python benchmarks/model_bench.py --out /tmp/mb_$1 --plan $1 --budget-s $2 "${@:3}" \
-    > $OUT/mb_$1.log 2>&1
-  [ -f /tmp/mb_$1/model_bench.json ] && python benchmarks/model_bench.py --report /tmp/mb_$1/model_bench.json \
-    > /dev/null 2>&1
-  for f in json md png; do cp /tmp/mb_$1/model_bench.$f $OUT/model_bench_$1.$f 2>/dev/null; done
-  grep "^\[\|MISS\|TARGETS\|fallback\|Warn" $OUT/mb_$1.log | tail -60
-  echo "bench $1 $(( $(date +%s) - t0 )) s" | tee -a $OUT/times.log
-}
+source benchmarks/_bench.sh  # bench PLAN BUDGET_S [model_bench arguments]
 gaps() {  # setup
   timeout 150 python benchmarks/enqueue_probe.py --setup $1 --layers 8 --rounds ${ROUNDS:-3} --gaps 4 \
     --variants ${VARIANTS:-lora,fastdora} --out $OUT/gaps_$1.json 2>&1 | grep -v -e Warn -e _warn_once > $OUT/gaps_$1.log
