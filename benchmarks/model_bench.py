@@ -71,6 +71,38 @@ FASTDORA_OPTIONS = {"fastdora": {}, "eager": {"kernels": "eager"}, "fastdora_old
 # worker: one (shape, layers, rank, setup, variant) in this process
 # ----------------------------------------------------------------------------------------------------------------
 
+def _thread_stats():
+    """Per thread of this process (Linux /proc; {} elsewhere): name, CPU seconds (user + system), the CPU it last ran
+    on, voluntary / involuntary context switches."""
+    out = {}
+    try:
+        tick = os.sysconf("SC_CLK_TCK")
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+            name = stat[stat.index("(") + 1:stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2:].split()
+            with open(f"/proc/self/task/{tid}/status") as f:
+                st = dict(line.split(":", 1) for line in f if ":" in line)
+            out[tid] = dict(name=name, cpu_s=(int(fields[11]) + int(fields[12])) / tick, cpu=int(fields[36]),
+                            vol=int(st["voluntary_ctxt_switches"]), invol=int(st["nonvoluntary_ctxt_switches"]))
+    except (OSError, ValueError, KeyError, IndexError):
+        pass
+    return out
+
+
+def _thread_delta(before, after):
+    """The threads that used CPU between two _thread_stats() snapshots, busiest first."""
+    rows = []
+    for tid, b in after.items():
+        a0 = before.get(tid, dict(cpu_s=0.0, vol=0, invol=0))
+        cpu = b["cpu_s"] - a0["cpu_s"]
+        if cpu > 0 or tid not in before:
+            rows.append(dict(tid=int(tid), name=b["name"], cpu_s=round(cpu, 3), last_cpu=b["cpu"],
+                             vol=b["vol"] - a0["vol"], invol=b["invol"] - a0["invol"]))
+    return sorted(rows, key=lambda r: -r["cpu_s"])
+
+
 def _sync(dev):
     import torch
     if dev.type == "cuda":
@@ -270,10 +302,13 @@ def run_worker(a):
 
     gc.callbacks.append(gc_cb)
 
+    host = [0.0]
+
     def timed(fn):
         _sync(dev)
         t0 = time.perf_counter()
         fn()
+        host[0] = time.perf_counter() - t0  # the host's enqueue time (no sync inside fn): ~ the total when host-bound
         _sync(dev)
         return time.perf_counter() - t0
 
@@ -292,13 +327,17 @@ def run_worker(a):
     rec["norm_invalidated_per_step"] = probe._version > v0
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    ts, gcs = [], []
+    ts, gcs, hs = [], [], []
+    th0 = _thread_stats()
     for _ in range(a.repeats):
         gc_ms[0] = 0.0
         ts.append(timed(grad_iter))
         gcs.append(gc_ms[0])
+        hs.append(host[0])
+    rec["grad_iter_threads"] = _thread_delta(th0, _thread_stats())
     rec["grad_iter_s_all"] = ts
     rec["grad_iter_gc_ms_all"] = gcs
+    rec["grad_iter_host_s_all"] = hs
     rec["grad_iter_s"] = statistics.median(ts)
     rec["grad_iter_min_s"] = min(ts)
     if dev.type == "cuda":
@@ -406,10 +445,13 @@ def plan_configs(plan, layers_q, layers_m):
             add("mistral-small-24b", layers_m, 384, setups=("amp",), variants=("lora", "fastdora", "peft_dora"))
             add("qwen3-8b", layers_q, 768, setups=("amp",), variants=("lora", "fastdora", "peft_dora"))
         return cfgs
-    if plan in ("bf16", "amp", "bf16_ab", "amp_ab", "bf16_fuse", "amp_fuse"):  # one precision's r=384 targets
-        # alone (LoRA, fastdora, PEFT DoRA); *_ab: also the --old-pkg package; *_fuse: fuse_lora_b off vs on,
-        # alternating (LoRA, on, off, on, off, PEFT DoRA)
+    if plan in ("bf16", "amp", "bf16_ab", "amp_ab", "bf16_ab2", "amp_ab2", "bf16_fuse", "amp_fuse"):  # one
+        # precision's r=384 targets alone (LoRA, fastdora, PEFT DoRA); *_ab: also the --old-pkg package; *_ab2: this
+        # package vs --old-pkg's alternating, between two LoRA runs; *_fuse: fuse_lora_b off vs on, alternating
+        # (LoRA, on, off, on, off, PEFT DoRA)
         variants = ("lora", "fastdora") + (("fastdora_old",) if plan.endswith("_ab") else ()) + ("peft_dora",)
+        if plan.endswith("_ab2"):
+            variants = ("lora", "fastdora", "fastdora_old", "fastdora", "fastdora_old", "lora")
         if plan.endswith("_fuse"):
             variants = ("lora", "fastdora_fuse", "fastdora_nofuse", "fastdora_fuse", "fastdora_nofuse", "peft_dora")
         add("qwen3-8b", layers_q, 384, setups=(plan.split("_")[0],), variants=variants)
@@ -619,6 +661,14 @@ def run_parent(a):
         if unknown:
             raise SystemExit(f"--variants: unknown {unknown} (known: {VARIANTS})")
         cfgs = [c for c in cfgs if c["variant"] in keep]
+    if a.sequence:  # the plan's first config (shape, layers, rank, setup) with these variants, in this order
+        seq = a.sequence.split(",")
+        unknown = sorted(set(seq) - set(VARIANTS))
+        if unknown or not cfgs:
+            raise SystemExit(f"--sequence: unknown {unknown} (known: {VARIANTS})" if unknown else
+                             "--sequence: the plan has no config")
+        first = {k: cfgs[0][k] for k in ("shape", "layers", "rank", "setup")}
+        cfgs = [dict(first, variant=v) for v in seq]
     if a.spawn == "fork":
         # before torch is imported: torch.cuda.is_available() (transformers may call it) then asks NVML instead of
         # initialising the CUDA driver, which a forked child could not use
@@ -956,8 +1006,12 @@ def build_parser():
     p.add_argument("--old-pkg", default=None, help="folder holding an earlier fastdora package (variant fastdora_old)")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--plan", default="h200", choices=["h200", "targets", "full", "r16", "coverage", "tiny", "final", "gpu0", "gpu1", "bf16", "amp",
-                                                 "bf16_ab", "amp_ab", "bf16_fuse", "amp_fuse"])
+                                                 "bf16_ab", "amp_ab", "bf16_ab2", "amp_ab2", "bf16_fuse",
+                                                 "amp_fuse"])
     p.add_argument("--variants", help="parent: run only these variants of the plan (comma-separated)")
+    p.add_argument("--sequence", help="parent: run the plan's first config (shape, layers, rank, setup) with these "
+                   "variants in this order, repeats allowed (comma-separated; e.g. --plan bf16 --sequence "
+                   "lora,fastdora,fastdora_old,fastdora,fastdora_old,lora)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test): --plan tiny, short seq")
     p.add_argument("--budget-s", type=float, default=540.0,
                    help="parent: launch no config expected to end after this many seconds")

@@ -92,8 +92,9 @@ class Options:
         product inside the composition's autograd node, which never materialises ``d_lora`` (one activation-sized
         pass less per layer backward). Session 11 measured no model-level gain on the H200 with the Python node
         (its backward ran lora_B's two matmuls from Python on the host-bound step); since session 23 the C++ node
-        runs it (``compose_b``: the matmuls from C++, bitwise the Python node's results), not yet measured on a GPU.
-        Off by default; ``lora_B`` is then called as a module, as PEFT does.
+        runs it (``compose_b``: the matmuls from C++, bitwise the Python node's results, also on the H200); session
+        24 measured no gain there either (pure bf16 1.104 vs 1.105 s per iteration: below the process-to-process
+        spread). Off by default; ``lora_B`` is then called as a module, as PEFT does.
     lean_forward: PEFT LoRA ``Linear`` layers with a fastdora adapter run their common forward call (one active
         adapter, no extra arguments, no hooks, not merged / disabled, no training-mode dropout) through one flattened
         function instead of PEFT's ``forward`` -> variant -> magnitude module chain: the same operations in the same

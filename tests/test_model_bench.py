@@ -64,6 +64,26 @@ def test_variants_filter_rejects_unknown(tmp_path):
     assert not (tmp_path / "mb").exists()  # refused before anything ran
 
 
+def test_sequence_runs_the_given_order(tmp_path):
+    """--sequence: the plan's first config with exactly these variants in this order (repeats pooled in the report);
+    unknown names are refused before anything runs."""
+    out = tmp_path / "mb"
+    cmd = [sys.executable, os.path.join(BENCH, "model_bench.py"), "--tiny", "--device", "cpu", "--out", str(out),
+           "--repeats", "1", "--inf-repeats", "1", "--warmup", "1"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run(cmd + ["--sequence", "lora,nope"], capture_output=True, text=True, env=env, cwd=REPO)
+    assert r.returncode != 0 and "unknown ['nope']" in r.stderr and not out.exists()
+    r = subprocess.run(cmd + ["--sequence", "fastdora,lora,fastdora"], capture_output=True, text=True, env=env,
+                       cwd=REPO, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads((out / "model_bench.json").read_text())
+    assert [(x["rank"], x["setup"], x["variant"]) for x in doc["results"]] == [
+        (8, "amp", "fastdora"), (8, "amp", "lora"), (8, "amp", "fastdora")]
+    assert "[profile]" not in r.stdout  # plan tiny's profiling flags are not copied
+    assert "fastdora DoRA | 2 |" in (out / "model_bench.md").read_text()  # the two processes pooled
+
+
 @pytest.mark.parametrize("spawn", ["fork", "exec"])
 def test_tiny_run_end_to_end(tmp_path, spawn):
     out = tmp_path / "mb"
@@ -85,6 +105,10 @@ def test_tiny_run_end_to_end(tmp_path, spawn):
     assert len(set(pids)) == len(pids) and doc["meta"]["parent_pid"] not in pids, "each config in its own process"
     for x in res:
         assert x["grad_iter_s"] > 0 and x["infer_s"] > 0 and len(x["grad_iter_s_all"]) == 2
+        # the host's enqueue time of each timed iteration (CPU: the whole iteration) and the threads' CPU time
+        assert all(0 < h <= t for h, t in zip(x["grad_iter_host_s_all"], x["grad_iter_s_all"]))
+        if sys.platform.startswith("linux"):
+            assert sum(t["cpu_s"] for t in x["grad_iter_threads"]) > 0, x["grad_iter_threads"]
         assert x["norm_invalidated_per_step"], "the optimizer step must bump the adapter versions"
         if x["variant"] in ("fastdora", "eager"):
             rep = x["enable_report"]
