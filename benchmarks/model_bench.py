@@ -329,11 +329,13 @@ def run_worker(a):
         torch.cuda.reset_peak_memory_stats(dev)
     ts, gcs, hs = [], [], []
     th0 = _thread_stats()
+    w0 = time.time()
     for _ in range(a.repeats):
         gc_ms[0] = 0.0
         ts.append(timed(grad_iter))
         gcs.append(gc_ms[0])
         hs.append(host[0])
+    rec["grad_iter_window"] = [w0, time.time()]  # wall clock (epoch s): the parent's GPU samples of these iterations
     rec["grad_iter_threads"] = _thread_delta(th0, _thread_stats())
     rec["grad_iter_s_all"] = ts
     rec["grad_iter_gc_ms_all"] = gcs
@@ -653,6 +655,72 @@ def fork_broke_cuda(err: str) -> bool:
     return any(e in err for e in _FORK_CUDA_ERRORS)
 
 
+class GpuSampler:
+    """``nvidia-smi`` sampling the GPU's SM clock, power draw, temperature, utilisation and clock-event reasons every
+    ``ms`` milliseconds into ``path`` while the parent runs its workers; nothing where the device is not CUDA or
+    ``nvidia-smi`` is missing. Each result then gets the samples of its timed iterations (``gpu_during_grad_iter``):
+    whether LoRA and fastdora ran at the same clocks (session 24: every timed window at the H200's 700 W power cap,
+    SM clock 1.66-1.90 GHz instead of 1.98)."""
+
+    QUERY = "timestamp,clocks.sm,power.draw,temperature.gpu,utilization.gpu,clocks_throttle_reasons.active"
+
+    def __init__(self, path, ms, device):
+        import shutil
+
+        self.path, self.proc = path, None
+        exe = shutil.which("nvidia-smi")
+        if ms <= 0 or exe is None or not str(device).startswith("cuda"):
+            return
+        vis = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+        idx = str(device).partition(":")[2] or "0"
+        gpu = vis if vis.isdigit() else idx  # the GPU the workers use (an index; UUIDs: the first GPU)
+        self.f = open(path, "w")
+        self.proc = subprocess.Popen([exe, "-i", gpu, f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits",
+                                      "-lms", str(int(ms))], stdout=self.f, stderr=subprocess.DEVNULL)
+
+    def stop(self):
+        if self.proc is None:
+            return None
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.f.close()
+        with open(self.path) as f:
+            return f.read()
+
+
+def gpu_samples(text):
+    """nvidia-smi CSV (``GpuSampler.QUERY``, no header, no units) -> [(epoch s, SM MHz, W, C, util %, reasons)];
+    unparsable lines (e.g. "[N/A]") are skipped."""
+    out = []
+    for line in text.splitlines():
+        f = [x.strip() for x in line.split(",")]
+        if len(f) != 6:
+            continue
+        try:
+            stamp, frac = f[0].rsplit(".", 1)
+            t = time.mktime(time.strptime(stamp, "%Y/%m/%d %H:%M:%S")) + float("0." + frac)
+            out.append((t, float(f[1]), float(f[2]), float(f[3]), float(f[4]), int(f[5], 16)))
+        except ValueError:
+            continue
+    return out
+
+
+def gpu_window(samples, window):
+    """The samples inside ``window`` = [start, end] (epoch s): medians of SM clock / power / temperature, mean
+    utilisation, the fraction with the SW power cap (0x4) or any hardware slowdown (0x8 | 0x40 | 0x80: HW, thermal,
+    power brake) among the clock-event reasons; None without samples there."""
+    w = [x for x in samples if window[0] <= x[0] <= window[1]]
+    if not w:
+        return None
+    return dict(n=len(w), sm_mhz=statistics.median(x[1] for x in w), power_w=statistics.median(x[2] for x in w),
+                temp_c=statistics.median(x[3] for x in w), util_pct=sum(x[4] for x in w) / len(w),
+                sw_power_cap=sum(1 for x in w if x[5] & 0x4) / len(w),
+                hw_slowdown=sum(1 for x in w if x[5] & (0x8 | 0x40 | 0x80)) / len(w))
+
+
 def run_parent(a):
     cfgs = plan_configs(a.plan, a.layers, a.layers_mistral)
     if a.variants:
@@ -714,6 +782,7 @@ def run_parent(a):
         os.replace(path + ".tmp", path)
         return path
 
+    sampler = GpuSampler(os.path.join(a.out, "gpu_samples.csv"), a.gpu_sample_ms, a.device)
     nxt = make(0) if (cfgs and a.spawn == "exec") else None
     for i, c in enumerate(cfgs):
         cur = nxt or make(i)
@@ -757,6 +826,12 @@ def run_parent(a):
         save()  # after every config: a run stopped from outside keeps what it measured
     if nxt is not None:
         nxt.cancel()
+    text = sampler.stop()
+    if text is not None:
+        samples = gpu_samples(text)
+        for rec in results:
+            if rec.get("grad_iter_window"):
+                rec["gpu_during_grad_iter"] = gpu_window(samples, rec["grad_iter_window"])
     report(save(), a.out)
 
 
@@ -830,6 +905,16 @@ def tables(doc):
                       f"{r.get('train_peak_alloc_gb', float('nan')):.2f} | "
                       f"{r.get('train_peak_reserved_gb', float('nan')):.2f} | "
                       f"{r.get('infer_peak_alloc_gb', float('nan')):.2f} | {path} |")
+    gpu = [r for r in doc["results"] if r.get("gpu_during_grad_iter")]
+    if gpu:
+        md.append("\nThe GPU during each process's timed iterations (nvidia-smi samples: median SM clock, power, "
+                  "temperature; mean utilisation; share of samples at the SW power cap / a hardware slowdown):")
+        for r in gpu:
+            g = r["gpu_during_grad_iter"]
+            md.append(f"- {r['shape']} L={r['layers']} {r['setup']} r={r['rank']} {VARIANT_LABEL[r['variant']]} "
+                      f"(grad iter {r['grad_iter_s']:.3f} s): {g['sm_mhz']:.0f} MHz, {g['power_w']:.0f} W, "
+                      f"{g['temp_c']:.0f} C, {g['util_pct']:.0f}%, power cap {100 * g['sw_power_cap']:.0f}%, "
+                      f"slowdown {100 * g['hw_slowdown']:.0f}% ({g['n']} samples)")
     pooled = [(k, r) for k, r in idx.items() if r.get("processes", 1) > 1]
     if pooled:
         md.append("\nPooled over alternating worker processes (median of all their timed iterations); each process's "
@@ -1005,9 +1090,9 @@ def build_parser():
     p.add_argument("--report-out", help="--report: folder for the merged json / md / png")
     p.add_argument("--old-pkg", default=None, help="folder holding an earlier fastdora package (variant fastdora_old)")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
-    p.add_argument("--plan", default="h200", choices=["h200", "targets", "full", "r16", "coverage", "tiny", "final", "gpu0", "gpu1", "bf16", "amp",
-                                                 "bf16_ab", "amp_ab", "bf16_ab2", "amp_ab2", "bf16_fuse",
-                                                 "amp_fuse"])
+    p.add_argument("--plan", default="h200", choices=["h200", "targets", "full", "r16", "coverage", "tiny", "final",
+                                                      "gpu0", "gpu1", "bf16", "amp", "bf16_ab", "amp_ab", "bf16_ab2",
+                                                      "amp_ab2", "bf16_fuse", "amp_fuse"])
     p.add_argument("--variants", help="parent: run only these variants of the plan (comma-separated)")
     p.add_argument("--sequence", help="parent: run the plan's first config (shape, layers, rank, setup) with these "
                    "variants in this order, repeats allowed (comma-separated; e.g. --plan bf16 --sequence "
@@ -1018,6 +1103,8 @@ def build_parser():
     p.add_argument("--layers", type=int, default=8, help="decoder layers for Qwen3-8B shapes")
     p.add_argument("--layers-mistral", type=int, default=3, help="decoder layers for Mistral-Small-24B shapes")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--gpu-sample-ms", type=int, default=200,
+                   help="parent: sample the GPU's clocks / power with nvidia-smi this often (0: off)")
     p.add_argument("--shape", default="qwen3-8b", choices=list(SHAPES))
     p.add_argument("--rank", type=int, default=384)
     p.add_argument("--setup", default="amp", choices=["amp", "bf16"])

@@ -118,3 +118,39 @@ def test_tiny_run_end_to_end(tmp_path, spawn):
             assert "enable_report" not in x
     md = (out / "model_bench.md").read_text()
     assert "| tiny | 2 | amp | 8 | fastdora DoRA | 2 |" in md and "### Targets" in md
+
+
+def test_gpu_samples_attributed_to_timed_windows(mb):
+    """nvidia-smi's CSV (the sampler's query, no header / units) parsed and cut to one process's timed iterations:
+    the numbers of the samples inside the window only, the power-cap share from the clock-event reasons."""
+    import time as _t
+
+    def stamp(t):
+        return _t.strftime("%Y/%m/%d %H:%M:%S", _t.localtime(int(t))) + f".{int(round((t % 1) * 1000)):03d}"
+
+    t0 = 1_800_000_000.0
+    rows = [(t0 - 1.0, 345, 79.0, 38, 0, 0x1),      # idle, before the window
+            (t0 + 0.2, 1800, 690.5, 61, 95, 0x4),   # power-capped
+            (t0 + 0.4, 1700, 698.0, 62, 97, 0x4),
+            (t0 + 0.6, 1980, 500.0, 60, 90, 0x0),
+            (t0 + 0.8, 1750, 700.0, 63, 98, 0x44),  # power cap + thermal slowdown
+            (t0 + 3.0, 1980, 130.0, 45, 0, 0x0)]    # after the window
+    text = "\n".join(f"{stamp(t)}, {c}, {p:.2f}, {T}, {u}, 0x{r:016x}" for t, c, p, T, u, r in rows)
+    text += "\n[N/A], [N/A], [N/A], [N/A], [N/A], [N/A]\n"
+    samples = mb.gpu_samples(text)
+    assert len(samples) == 6 and abs(samples[1][0] - (t0 + 0.2)) < 1e-6
+    g = mb.gpu_window(samples, [t0, t0 + 1.0])
+    assert g["n"] == 4
+    assert g["sm_mhz"] == 1775 and g["power_w"] == (690.5 + 698.0) / 2 and g["temp_c"] == 61.5
+    assert g["util_pct"] == (95 + 97 + 90 + 98) / 4
+    assert g["sw_power_cap"] == 0.75 and g["hw_slowdown"] == 0.25
+    assert mb.gpu_window(samples, [t0 + 1.0, t0 + 2.0]) is None
+    # no CUDA device / no nvidia-smi: nothing is started, nothing to attribute
+    assert mb.GpuSampler("/nonexistent/x.csv", 200, "cpu").stop() is None
+    # the report lists each process's GPU state
+    rec = dict(shape="qwen3-8b", layers=8, setup="bf16", rank=384, variant="fastdora", grad_iter_s=1.1, infer_s=0.037,
+               gpu_during_grad_iter=g)
+    md = mb.tables(dict(meta={}, results=[rec, dict(rec, variant="lora", gpu_during_grad_iter=None)]))
+    assert "- qwen3-8b L=8 bf16 r=384 fastdora DoRA (grad iter 1.100 s): 1775 MHz, 694 W, 62 C, 95%, " \
+           "power cap 75%, slowdown 25% (4 samples)" in md
+    assert "PEFT LoRA (grad iter" not in md  # no samples: no line
