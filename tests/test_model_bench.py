@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -123,10 +124,8 @@ def test_tiny_run_end_to_end(tmp_path, spawn):
 def test_gpu_samples_attributed_to_timed_windows(mb):
     """nvidia-smi's CSV (the sampler's query, no header / units) parsed and cut to one process's timed iterations:
     the numbers of the samples inside the window only, the power-cap share from the clock-event reasons."""
-    import time as _t
-
     def stamp(t):
-        return _t.strftime("%Y/%m/%d %H:%M:%S", _t.localtime(int(t))) + f".{int(round((t % 1) * 1000)):03d}"
+        return time.strftime("%Y/%m/%d %H:%M:%S", time.localtime(int(t))) + f".{int(round((t % 1) * 1000)):03d}"
 
     t0 = 1_800_000_000.0
     rows = [(t0 - 1.0, 345, 79.0, 38, 0, 0x1),      # idle, before the window
@@ -154,3 +153,28 @@ def test_gpu_samples_attributed_to_timed_windows(mb):
     assert "- qwen3-8b L=8 bf16 r=384 fastdora DoRA (grad iter 1.100 s): 1775 MHz, 694 W, 62 C, 95%, " \
            "power cap 75%, slowdown 25% (4 samples)" in md
     assert "PEFT LoRA (grad iter" not in md  # no samples: no line
+
+
+def test_gpu_sampler_runs_nvidia_smi(mb, tmp_path, monkeypatch):
+    """The sampler's process plumbing with a stand-in ``nvidia-smi`` on PATH (the arguments it is given, samples
+    read back after stop); the real tool's output format is the one parsed above."""
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\n"
+                    f"echo \"$@\" > {tmp_path}/args\n"
+                    "while true; do\n"
+                    "  echo \"$(date '+%Y/%m/%d %H:%M:%S').500, 1830, 690.25, 62, 96, 0x0000000000000004\"\n"
+                    "  sleep 0.05\n"
+                    "done\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    t0 = time.time()
+    sampler = mb.GpuSampler(str(tmp_path / "gpu.csv"), 50, "cuda")
+    time.sleep(0.6)
+    samples = mb.gpu_samples(sampler.stop())
+    args = (tmp_path / "args").read_text().split()
+    assert args == ["-i", "3", f"--query-gpu={mb.GpuSampler.QUERY}", "--format=csv,noheader,nounits", "-lms", "50"]
+    assert len(samples) >= 3 and all(s[1:] == (1830.0, 690.25, 62.0, 96.0, 4) for s in samples)
+    assert all(abs(s[0] - t0) < 5 for s in samples)  # local-time stamps read back as epoch seconds
+    assert sampler.proc.poll() is not None  # stopped
