@@ -16,6 +16,8 @@
 #                                        workers, then the same in forked workers; per worker the host's enqueue time
 #                                        per iteration and each thread's CPU time / context switches (JSON); host.txt:
 #                                        lscpu, the GPU's clocks; smi.csv sampled every 200 ms
+#   bash benchmarks/run_s24.sh suite     the whole GPU test suite (pytest tests -m gpu; TESTS_S, default 420: call 1's 220 s
+#                                        cut it after 153 tests), then the harness (BENCH_S, default 0: none)
 #   bash benchmarks/run_s24.sh harness   issue 5's whole harness: model_bench.py --plan h200 (BENCH_S, default 520)
 set -uo pipefail
 source benchmarks/_env.sh
@@ -68,6 +70,13 @@ clocks_throttle_reasons.active --format=csv -lms 200 > $OUT/smi.csv 2>&1 &
         --old-pkg ${OLD_PKG:-.carry/prevpkg}
     done
     kill $smi
+    ;;
+  suite)
+    node
+    timeout ${TESTS_S:-420} python -m pytest tests -m gpu -q -p no:cacheprovider 2>&1 | tail -25 > $OUT/gpu_tests.log
+    tail -8 $OUT/gpu_tests.log
+    echo "tests $(( $(date +%s) - t0 )) s" | tee -a $OUT/times.log
+    [ "${BENCH_S:-0}" -gt 0 ] && bench h200 $BENCH_S --spawn ${SPAWN:-fork}
     ;;
   harness)
     node
