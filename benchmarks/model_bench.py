@@ -447,13 +447,10 @@ def plan_configs(plan, layers_q, layers_m):
             add("mistral-small-24b", layers_m, 384, setups=("amp",), variants=("lora", "fastdora", "peft_dora"))
             add("qwen3-8b", layers_q, 768, setups=("amp",), variants=("lora", "fastdora", "peft_dora"))
         return cfgs
-    if plan in ("bf16", "amp", "bf16_ab", "amp_ab", "bf16_ab2", "amp_ab2", "bf16_fuse", "amp_fuse"):  # one
-        # precision's r=384 targets alone (LoRA, fastdora, PEFT DoRA); *_ab: also the --old-pkg package; *_ab2: this
-        # package vs --old-pkg's alternating, between two LoRA runs; *_fuse: fuse_lora_b off vs on, alternating
-        # (LoRA, on, off, on, off, PEFT DoRA)
+    if plan in ("bf16", "amp", "bf16_ab", "amp_ab", "bf16_fuse", "amp_fuse"):  # one precision's r=384 targets
+        # alone (LoRA, fastdora, PEFT DoRA); *_ab: also the --old-pkg package; *_fuse: fuse_lora_b off vs on,
+        # alternating (LoRA, on, off, on, off, PEFT DoRA); any other order: --sequence
         variants = ("lora", "fastdora") + (("fastdora_old",) if plan.endswith("_ab") else ()) + ("peft_dora",)
-        if plan.endswith("_ab2"):
-            variants = ("lora", "fastdora", "fastdora_old", "fastdora", "fastdora_old", "lora")
         if plan.endswith("_fuse"):
             variants = ("lora", "fastdora_fuse", "fastdora_nofuse", "fastdora_fuse", "fastdora_nofuse", "peft_dora")
         add("qwen3-8b", layers_q, 384, setups=(plan.split("_")[0],), variants=variants)
@@ -1091,8 +1088,8 @@ def build_parser():
     p.add_argument("--old-pkg", default=None, help="folder holding an earlier fastdora package (variant fastdora_old)")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--plan", default="h200", choices=["h200", "targets", "full", "r16", "coverage", "tiny", "final",
-                                                      "gpu0", "gpu1", "bf16", "amp", "bf16_ab", "amp_ab", "bf16_ab2",
-                                                      "amp_ab2", "bf16_fuse", "amp_fuse"])
+                                                      "gpu0", "gpu1", "bf16", "amp", "bf16_ab", "amp_ab", "bf16_fuse",
+                                                      "amp_fuse"])
     p.add_argument("--variants", help="parent: run only these variants of the plan (comma-separated)")
     p.add_argument("--sequence", help="parent: run the plan's first config (shape, layers, rank, setup) with these "
                    "variants in this order, repeats allowed (comma-separated; e.g. --plan bf16 --sequence "

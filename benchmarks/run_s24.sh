@@ -7,9 +7,10 @@
 #                                        on, off, PEFT DoRA at Qwen3-8B r=384; FUSE_S seconds each, default 140)
 #   bash benchmarks/run_s24.sh ab        the fused node's GPU tests (tests/test_native_node.py -m gpu), then this core/
 #                                        vs an earlier one (OLD_PKG/fastdora, carried; e.g. e71a7fb, session 23's
-#                                        measured code) alternating in exec workers: model_bench --plan bf16_ab2, then
-#                                        amp_ab2 (LoRA, new, old, new, old, LoRA; AB_S seconds each, default 170), with
-#                                        the GPU's clocks / power / throttle reasons sampled every 200 ms (smi.csv)
+#                                        measured code) alternating in exec workers: model_bench --plan bf16, then amp,
+#                                        --sequence lora,fastdora,fastdora_old,fastdora,fastdora_old,lora (AB_S seconds
+#                                        each, default 170), with the GPU's clocks / power / throttle reasons sampled
+#                                        every 200 ms (smi.csv)
 #   bash benchmarks/run_s24.sh var       process-to-process variance, this core/ vs OLD_PKG's (both C++ nodes built first):
 #                                        model_bench --plan ${SETUP:-bf16} --sequence (one throw-away fastdora worker
 #                                        that compiles the Triton kernels, then LoRA, new, old x3, LoRA) in exec
@@ -45,7 +46,10 @@ clocks_throttle_reasons.active --format=csv -lms 200 > $OUT/smi.csv 2>&1 &
       > $OUT/gpu_tests_native.log
     tail -8 $OUT/gpu_tests_native.log
     echo "tests $(( $(date +%s) - t0 )) s" | tee -a $OUT/times.log
-    for p in bf16_ab2 amp_ab2; do bench $p ${AB_S:-170} --spawn exec --old-pkg ${OLD_PKG:-.carry/prevpkg}; done
+    for p in bf16 amp; do  # session 24 call 2 ran these as plans bf16_ab2 / amp_ab2: the same configs in this order
+      TAG=${p}_ab2 bench $p ${AB_S:-170} --spawn exec --old-pkg ${OLD_PKG:-.carry/prevpkg} \
+        --sequence lora,fastdora,fastdora_old,fastdora,fastdora_old,lora
+    done
     kill $smi
     ;;
   var)
