@@ -15,6 +15,10 @@ rounds):
 - ``peft_dora``:      stock PEFT DoRA
 - ``fastdora_native`` (``--kpath --native``): the same launches replaced by no-ops, through the C++ composition node
                       (``fastdora.kernels.native``) instead of the Python autograd node
+- ``--templates`` (with ``--kpath``): the kernel path's launches go through Triton's direct launch path and, for
+  ``fastdora_native``, the C++ node's compiled-launcher templates (as on a GPU), with a compiled kernel whose ``run``
+  does nothing: the host path of the GPU run minus the driver's launch calls (without it the C++ node falls back to
+  the Python launchers on CPU tensors, which a GPU run never does)
 - with ``--old-pkg DIR``: ``old_eager`` / ``old_stub``, the same for the fastdora package in ``DIR/fastdora`` (e.g.
   an earlier commit's ``core/``), imported under another name into the same process (before/after, interleaved)
 
@@ -72,6 +76,20 @@ def _stub_impl(oc):
     return stub
 
 
+class _NoopCompiled:
+    """Stands in for Triton's ``CompiledKernel`` (``--templates``): launches through it do nothing."""
+
+    function, packed_metadata = 0, ()
+
+    @staticmethod
+    def run(*args):
+        return None
+
+    @staticmethod
+    def launch_metadata(*args):
+        return None
+
+
 class _NoopLauncher:
     """A kernel launcher that launches nothing, shaped like Triton's interpreter path for fastdora.kernels.native
     (its launch templates then pass tensors to a no-op): the host path with every launch's GPU-side cost removed."""
@@ -116,12 +134,23 @@ def worker(a):
         kpath = None
         if a.kpath:
             kc = importlib.import_module(pkg.__name__ + ".kernels.compose")
-            for launcher in ("_FWD", "_BWD", "_RED"):
-                setattr(kc, launcher, _NoopLauncher())
+            if a.templates:  # the direct launch path with a compiled kernel that does nothing
+                lm = importlib.import_module(pkg.__name__ + ".kernels._launch")
+                if not (kc._FWD.fast and kc._BWD.fast):
+                    raise SystemExit("--templates: this Triton has no direct launch path")
+                lm.Launcher._jit = lambda self, *args, **kw: _NoopCompiled()
+                lm._raw_stream = lambda idx: 0
+                for launcher in (kc._FWD, kc._BWD, kc._RED):
+                    launcher.cache.clear()
+            else:
+                for launcher in ("_FWD", "_BWD", "_RED"):
+                    setattr(kc, launcher, _NoopLauncher())
             kpath = kc.TRITON
             if a.native and label == "fastdora":
                 nat = importlib.import_module(pkg.__name__ + ".kernels.native")
                 native_mod[0] = (nat, nat.node(required=True))
+                if a.templates:
+                    native_mod[0][1].testing_host_templates(True)  # templates on CPU tensors, as on a GPU
                 nat.NODE = None  # only while the native variant runs
         flag, stub, real = [None], _stub_impl(oc), dispatch.compose_impl
 
@@ -184,6 +213,7 @@ def worker(a):
     res = {v: statistics.median(ts) for v, ts in per.items()}
     with open(a.result, "w") as f:
         json.dump({"setup": a.setup, "mode": a.mode, "us_per_layer": res,
+                   "native_stats": native_mod[0][1].stats() if native_mod[0] else None,
                    "us_per_layer_min": {v: min(ts) for v, ts in per.items()}, "rounds": per}, f)
 
 
@@ -199,6 +229,8 @@ def main():
     p.add_argument("--kpath", action="store_true", help="add the *_kpath variants (needs Triton importable)")
     p.add_argument("--native", action="store_true",
                    help="with --kpath: add fastdora_native (the C++ composition node, launches no-ops)")
+    p.add_argument("--templates", action="store_true",
+                   help="with --kpath: launches through the direct path / the C++ node's templates, doing nothing")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--d", type=int, default=64)
     p.add_argument("--rank", type=int, default=8)
@@ -215,12 +247,15 @@ def main():
             res = a.out + f".{setup}.{mode}.part"
             cmd = [sys.executable, __file__, "--worker", "--result", res, "--setup", setup, "--mode", mode] + [
                 x for k in ("layers", "d", "rank", "tokens", "rounds", "iters") for x in (f"--{k}", str(getattr(a, k)))
-            ] + (["--old-pkg", os.path.abspath(a.old_pkg)] if a.old_pkg else []) + (["--kpath"] if a.kpath else []) + (["--native"] if a.native else [])
+            ] + (["--old-pkg", os.path.abspath(a.old_pkg)] if a.old_pkg else []) + [
+                f"--{k}" for k in ("kpath", "native", "templates") if getattr(a, k)]
             subprocess.check_call(cmd)
             with open(res) as f:
                 r = json.load(f)
             os.remove(res)
             out["results"].append(r)
+            if r.get("native_stats"):
+                print(f"C++ node launches: {r['native_stats']}")
             for stat, us in (("median", r["us_per_layer"]), ("min", r["us_per_layer_min"])):
                 print(f"{setup:5s} {mode:5s} {stat:6s} us/layer: " + "  ".join(
                     f"{v} {t:6.1f} ({t / us['lora']:.2f}x)" for v, t in us.items()), flush=True)

@@ -139,7 +139,7 @@ if not _INNER:
                                 assert type(x) is type(y) and x == y, f"{dname} bias={bias} {what} arg {i}: {x} vs {y}"
         finally:
             mod.testing_host_templates(False)
-            mod.clear()
+            native.clear_templates()
             native.NODE = saved_node
 
     @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only report")
@@ -364,6 +364,49 @@ if _INNER:
             strided = [None if t is None else (t[:, ::2] if t.dim() == 2 else t[:32]) for t in base]
             _assert_bitwise(_run(kc, native, True, strided, rdt), _run(kc, native, False, strided, rdt),
                             dname + " strided")
+
+    def test_template_registered_once_per_launch_configuration(monkeypatch):
+        """A launch that would build the same template again registers nothing (every inference composition launches
+        from Python); a launch of the same key with another configuration replaces it, dropped templates come back.
+        The node then launches through each template (its results bitwise the Python node's)."""
+        mod = native.NODE
+        calls = []
+
+        class Recording:
+            def __getattr__(self, name):
+                return getattr(mod, name)
+
+            def register(self, *args):
+                calls.append(args[:6])
+                return mod.register(*args)
+
+        monkeypatch.setattr(native, "NODE", Recording())
+        native.clear_templates()
+        prob = _problem((12, 40), torch.bfloat16, torch.bfloat16, False, "cpu", seed=11)
+        result, lora, mag, norm = (t.detach() for t in prob[:4])
+
+        def infer():  # what dora_compose's inference path runs on the kernel path
+            with torch.no_grad():
+                return kc.TRITON.compose_fwd(result, lora, mag, norm, 0.5, 1e-6, None, None, torch.bfloat16, False)
+
+        infer()
+        assert [c[0] for c in calls] == [0], calls  # the forward's template
+        for _ in range(3):
+            infer()
+        assert len(calls) == 1, "re-registered an identical template"
+        ref = _run(kc, native, False, prob, torch.bfloat16)  # training: its own keys (saving inner; the backward)
+        _run(kc, native, True, prob, torch.bfloat16)  # first calls of those keys: the Python launchers register
+        n, fast = len(calls), mod.stats()["fast"]
+        assert n == 3, calls
+        _assert_bitwise(_run(kc, native, True, prob, torch.bfloat16), ref, "through the registered templates")
+        assert mod.stats()["fast"] == fast + 2 and len(calls) == n
+        cfg = kc._fwd_config(12, 40, result.device)
+        monkeypatch.setattr(kc, "_fwd_config", lambda M, N, dev: (cfg[0] * 2, cfg[1], cfg[2]))
+        infer()
+        assert len(calls) == n + 1 and calls[-1][0] == 0, "another launch configuration must replace the template"
+        native.clear_templates()
+        infer()
+        assert len(calls) == n + 2, "dropped templates must be registered again"
 
     def test_eps_scale_and_out_dtype_are_per_call():
         """Scalars fill the template per call (a key's template is shared by layers with other scales)."""

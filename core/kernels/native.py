@@ -38,7 +38,8 @@ import torch
 
 from .. import config as _config
 
-__all__ = ["node", "first_node", "status", "register_fwd", "register_bwd", "ROLES_FWD", "ROLES_BWD"]
+__all__ = ["node", "first_node", "status", "clear_templates", "register_fwd", "register_bwd", "ROLES_FWD",
+           "ROLES_BWD"]
 
 _MODULE = "fastdora_compose_node"
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "compose_node.cpp")
@@ -179,12 +180,18 @@ def first_node(t: torch.Tensor):
     return node()
 
 
+def clear_templates() -> None:
+    """Drop every launch template of the loaded node (tests): the next launch of each key registers again."""
+    if _state["module"] is not None:
+        _state["module"].clear()
+    _REGISTERED.clear()
+
+
 def reset() -> None:
     """Forget the loaded node and its templates (tests; the next ``node()`` call decides again)."""
     global NODE
     with _lock:
-        if _state["module"] is not None:
-            _state["module"].clear()
+        clear_templates()
         NODE = None
         _state.update(module=None, tried=False, reason="not requested yet (first CUDA training composition)")
 
@@ -195,6 +202,9 @@ def reset() -> None:
 
 _data_ptr = torch.Tensor.data_ptr
 _or = operator.or_
+# the node's key (direction, M, N, dtypes, device, flags) -> what its template was built from: a launch that would
+# build the same template again (every inference composition, which launches from Python) registers nothing
+_REGISTERED: dict = {}
 
 
 def _roles(tensors, named, base) -> Optional[tuple]:
@@ -248,9 +258,15 @@ def _register(direction, launcher, entry, grid, tensors, ints, floats, consts, l
     if roles is None or not _aligned(tensors) or (entry is None and not launcher.interpreted):
         return
     dev = tensors[0].get_device() if tensors[0].is_cuda else -1
+    key = (direction, M, N, dtypes, dev, flags)
+    built_from = (launcher, None if entry is None else entry[0], tuple(grid), tuple(ints), tuple(consts), launch_opts,
+                  roles, n_parts, n_counters)
+    if _REGISTERED.get(key) == built_from:
+        return
     run, args, all_roles, tensor_args = _template(launcher, entry, grid, tensors, ints, floats, consts, *launch_opts,
                                                   roles)
     NODE.register(direction, M, N, dtypes, dev, flags, run, args, all_roles, n_parts, n_counters, tensor_args)
+    _REGISTERED[key] = built_from
 
 
 def register_fwd(launcher, entry, grid, tensors, ints, floats, consts, num_warps, named, dtypes, save_inner, M, N):
