@@ -25,6 +25,11 @@ source benchmarks/_env.sh
 export FASTDORA_CACHE_DIR=${FASTDORA_CACHE_DIR:-/tmp/fdcache}
 t0=$(date +%s)
 source benchmarks/_bench.sh  # bench PLAN BUDGET_S [model_bench arguments]
+smi_start() {  # the GPU's clocks / power / throttle reasons every 200 ms into $OUT/smi.csv, until `kill $smi`
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,\
+clocks_throttle_reasons.active --format=csv -lms 200 > $OUT/smi.csv 2>&1 &
+  smi=$!
+}
 node() {
   python -c "from fastdora.kernels import native; native.node(required=True)" 2>&1 | grep -v Warn | tail -2
   echo "node $(( $(date +%s) - t0 )) s" | tee -a $OUT/times.log
@@ -39,9 +44,7 @@ case "${1:-fuse}" in
     ;;
   ab)
     node
-    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,\
-clocks_throttle_reasons.active --format=csv -lms 200 > $OUT/smi.csv 2>&1 &
-    smi=$!
+    smi_start
     timeout ${TESTS_S:-150} python -m pytest tests/test_native_node.py -m gpu -q -p no:cacheprovider 2>&1 | tail -25 \
       > $OUT/gpu_tests_native.log
     tail -8 $OUT/gpu_tests_native.log
@@ -65,9 +68,7 @@ n.node(required=True)
 print("old node", n.node() is not None)
 PY
     echo "old node $(( $(date +%s) - t0 )) s" | tee -a $OUT/times.log
-    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,\
-clocks_throttle_reasons.active --format=csv -lms 200 > $OUT/smi.csv 2>&1 &
-    smi=$!
+    smi_start
     seq=fastdora,lora,fastdora,fastdora_old,fastdora,fastdora_old,fastdora,fastdora_old,lora
     for sp in exec fork; do
       TAG=var_$sp FILES=json bench ${SETUP:-bf16} ${VAR_S:-200} --spawn $sp --sequence $seq \
