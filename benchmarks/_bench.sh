@@ -2,6 +2,8 @@
 #   bench PLAN BUDGET_S [model_bench arguments]   runs model_bench.py --plan PLAN, writes its log, JSON, table and
 #   plot to $OUT (model_bench_TAG.*; TAG: $TAG, default PLAN; FILES="json" keeps the JSON only), prints the
 #   per-config lines, MISS / TARGETS lines and warnings
+#   node        builds the C++ composition node (so that no worker builds it inside a timed run)
+#   smi_start   the GPU's clocks / power / throttle reasons every 200 ms into $OUT/smi.csv, until `kill $smi`
 bench() {
   local tag=${TAG:-$1}
   timeout $(( $2 + 65 )) python benchmarks/model_bench.py --out /tmp/mb_$tag --plan $1 --budget-s $2 "${@:3}" \
@@ -11,4 +13,13 @@ bench() {
   for f in ${FILES:-json md png}; do cp /tmp/mb_$tag/model_bench.$f $OUT/model_bench_$tag.$f 2>/dev/null; done
   grep "^\[\|MISS\|TARGETS\|fallback\|Warn" $OUT/mb_$tag.log | tail -60
   echo "bench $tag $(( $(date +%s) - t0 )) s" | tee -a $OUT/times.log
+}
+smi_start() {
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,\
+clocks_throttle_reasons.active --format=csv -lms 200 > $OUT/smi.csv 2>&1 &
+  smi=$!
+}
+node() {
+  python -c "from fastdora.kernels import native; native.node(required=True)" 2>&1 | grep -v Warn | tail -2
+  echo "node $(( $(date +%s) - t0 )) s" | tee -a $OUT/times.log
 }

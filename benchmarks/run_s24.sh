@@ -24,16 +24,7 @@ set -uo pipefail
 source benchmarks/_env.sh
 export FASTDORA_CACHE_DIR=${FASTDORA_CACHE_DIR:-/tmp/fdcache}
 t0=$(date +%s)
-source benchmarks/_bench.sh  # bench PLAN BUDGET_S [model_bench arguments]
-smi_start() {  # the GPU's clocks / power / throttle reasons every 200 ms into $OUT/smi.csv, until `kill $smi`
-  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,\
-clocks_throttle_reasons.active --format=csv -lms 200 > $OUT/smi.csv 2>&1 &
-  smi=$!
-}
-node() {
-  python -c "from fastdora.kernels import native; native.node(required=True)" 2>&1 | grep -v Warn | tail -2
-  echo "node $(( $(date +%s) - t0 )) s" | tee -a $OUT/times.log
-}
+source benchmarks/_bench.sh  # bench PLAN BUDGET_S [model_bench arguments]; node; smi_start
 case "${1:-fuse}" in
   fuse)
     node

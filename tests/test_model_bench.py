@@ -178,3 +178,70 @@ def test_gpu_sampler_runs_nvidia_smi(mb, tmp_path, monkeypatch):
     assert len(samples) >= 3 and all(s[1:] == (1830.0, 690.25, 62.0, 96.0, 4) for s in samples)
     assert all(abs(s[0] - t0) < 5 for s in samples)  # local-time stamps read back as epoch seconds
     assert sampler.proc.poll() is not None  # stopped
+
+
+def test_gap_probe_attributes_idle_time():
+    """gap_probe.analyse on a hand-built trace: the idle gaps between GPU events, their phase, size and cause
+    (host late: the launch ending a gap came after the GPU went idle; else a GPU-side wait), the op around a late
+    launch (innermost, on the launching thread), and the synchronising runtime calls."""
+    sys.path.insert(0, BENCH)
+    try:
+        import gap_probe
+    finally:
+        sys.path.remove(BENCH)
+
+    def kern(ts, dur, corr, cat="kernel"):
+        return {"cat": cat, "name": "k", "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    def rt(ts, corr, name="cudaLaunchKernel", tid=1, dur=2):
+        return {"cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur, "tid": tid, "args": {"correlation": corr}}
+
+    def span(name, ts, dur, tid=1, cat="user_annotation"):
+        return {"cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+    ev = [
+        span("fwd:0", 0, 400), span("bwd:0", 400, 600), span("fwd:1", 1000, 300), span("step:0", 1300, 200),
+        span("aten::mm", 0, 50, cat="cpu_op"), span("fastdora::norm", 100, 300), span("aten::add", 150, 10,
+                                                                                           cat="cpu_op"),  # ended
+        span("aten::mul", 160, 5, tid=2, cat="cpu_op"),  # another thread: never the launching op
+        rt(10, 1), kern(20, 100, 1),                 # busy 20-120
+        rt(30, 2), kern(125, 5, 2),                  # gap 5 us, launched before the GPU went idle: gpu_wait
+        rt(162, 3), kern(200, 50, 3),                # gap 70 us, launched at 162 > 130: host late, in fastdora::norm
+        rt(450, 4), kern(460, 40, 4, "gpu_memcpy"),  # gap 210 us, host late, in bwd0, no op around it
+        rt(1100, 5), kern(2600, 10, 5),              # gap 2100 us, host late in fwd*
+        rt(1320, 6, name="cudaStreamSynchronize", dur=30), rt(1400, 7, name="cudaFree", dur=8),
+    ]
+    r = gap_probe.analyse({"traceEvents": ev}, min_gap_us=2.0)
+    assert r["gpu_events"] == 5 and r["launches"] == 5
+    assert r["window_ms"] == pytest.approx((2610 - 20) / 1e3)
+    assert r["gpu_event_ms"] == pytest.approx(205 / 1e3)
+    assert r["idle_ms"] == pytest.approx((5 + 70 + 210 + 2100) / 1e3)
+    assert r["idle_ms_by_cause"] == pytest.approx({"gpu_wait": 0.005, "host_late": 2.38})
+    assert r["idle_ms_by_phase"] == pytest.approx({"fwd0/gpu_wait": 0.005, "fwd0/host_late": 0.07,
+                                                   "bwd0/host_late": 0.21, "fwd*/host_late": 2.1})
+    assert r["idle_ms_by_size"] == pytest.approx({"<10us": 0.005, "10-50us": 0.0, "50-200us": 0.07,
+                                                  "0.2-1ms": 0.21, ">1ms": 2.1})
+    assert r["host_late_ms_by_op"] == pytest.approx({"fastdora::norm": 0.07, "(no op)": 2.31})
+    assert r["runtime_calls"] == {"cudaStreamSynchronize": {"count": 1, "host_ms": 0.03},
+                                  "cudaFree": {"count": 1, "host_ms": 0.008}}
+    assert gap_probe.analyse({"traceEvents": ev[:8]}) == {"gpu_events": 0}
+    # without record_function ranges (a CUDA-only profile): the phases from host Unix-ns marks and the trace's base
+    base = 1_000_000_000
+    marks = [("fwd:0", base, base + 400_000), ("bwd:0", base + 400_000, base + 1_000_000),
+             ("fwd:1", base + 1_000_000, base + 1_300_000)]
+    bare = [e for e in ev if e["cat"] != "user_annotation"]
+    r2 = gap_probe.analyse({"traceEvents": bare, "baseTimeNanoseconds": base}, marks=marks)
+    assert r2["idle_ms_by_phase"] == r["idle_ms_by_phase"]
+    assert r2["host_late_ms_by_op"] == pytest.approx({"(no op)": 2.38})  # fastdora::norm was a range: gone
+
+
+def test_gap_probe_tiny_run(tmp_path):
+    """The probe runs end to end on the CPU (no GPU events there: the analysis is the test above)."""
+    out = tmp_path / "gap.json"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    subprocess.run([sys.executable, os.path.join(BENCH, "gap_probe.py"), "--tiny", "--rounds", "1", "--out",
+                    str(out)], check=True, env=env, cwd=REPO, capture_output=True, timeout=600)
+    doc = json.loads(out.read_text())
+    assert set(doc["summary"]) == {"lora", "fastdora"}
+    assert [r["variant"] for r in doc["rows"]] == ["lora", "fastdora"]
+    assert all(r["cuda"]["gpu_events"] == 0 and r["ops"]["wall_ms"] > 0 for r in doc["rows"])

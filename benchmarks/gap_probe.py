@@ -1,0 +1,308 @@
+#!/usr/bin/env python3
+"""Where does the GPU wait during a training iteration? (issue 5 diagnosis: GPU idle time by phase and by cause)
+
+Session 24's nvidia-smi samples put LoRA's timed iterations at ~97% GPU utilisation and fastdora's at ~91-95%, with
+fastdora's kernel time within ~0.6% of LoRA's (session 23): the pure-bf16 tax looks like GPU idle, not GPU work.
+This probe measures the idle directly. LoRA and fastdora (or any of model_bench's variants) are built in ONE process
+and run interleaved; per round and variant: one unprofiled iteration (wall time, the reference) and one profiled
+iteration (8 micro-batches + optimizer step) under ``torch.profiler``, in one of two modes:
+
+  - ``cuda``: kernels and CUDA runtime calls only (the least profiler overhead on the host): how much of the
+    iteration the GPU is idle, in which phase (``fwd<i>`` / ``bwd<i>`` (backward incl. checkpoint recomputation) /
+    ``step``), in gaps of which size, and whether the host was late (the launch that ends a gap was made after the
+    gap began: host-bound) or the GPU waited on something else;
+  - ``ops``: also the CPU ops (more host overhead, so more gaps): each host-late gap charged to the innermost CPU
+    op (or ``record_function`` range, e.g. fastdora's) around the launch that ended it.
+
+Per (variant, mode): medians over rounds of wall, kernel time, idle time, idle by phase / gap size / cause, the
+synchronising or allocating runtime calls (``cudaStreamSynchronize``, ``cudaMemcpy*``, ``cudaMalloc``, ``cudaFree``,
+...: count and host time), and the top idle-causing ops.
+
+  python benchmarks/gap_probe.py --out DIR/gap_bf16.json --setup bf16 [--rounds 3] [--modes cuda,ops]
+  python benchmarks/gap_probe.py --tiny --out /tmp/gap.json                   # CPU smoke test (no CUDA events)
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import collections
+import contextlib
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+PHASE_NAMES = ("fwd", "bwd", "step")  # the record_function ranges of iteration(): fwd:<i>, bwd:<i>, step:0
+# runtime calls that block the host or may (allocation / free / copies / syncs)
+SYNCING = ("Synchronize", "Memcpy", "Malloc", "Free", "cudaStreamWaitEvent", "cudaEventQuery")
+SIZE_BINS = ((10, "<10us"), (50, "10-50us"), (200, "50-200us"), (1000, "0.2-1ms"), (float("inf"), ">1ms"))
+
+
+def _bin(us):
+    return next(name for lim, name in SIZE_BINS if us < lim)
+
+
+def _phase_key(name, idx):
+    """fwd0 / bwd0: the first micro-batch (the one that recomputes the norms after a step); fwd* / bwd*: the rest."""
+    return name + ("" if name == "step" else "0" if idx == "0" else "*")
+
+
+def analyse(trace: dict, min_gap_us: float = 2.0, top: int = 15, marks=None) -> dict:
+    """GPU idle of one profiled iteration from a chrome trace (torch.profiler's export_chrome_trace).
+
+    The window runs from the first GPU event to the last one. Idle = the window minus the union of all GPU events
+    (kernels, copies, memsets, any stream). Each idle gap of at least ``min_gap_us`` is attributed to the phase
+    (``record_function`` ranges named fwd<i> / bwd<i> / step, by the host time of the launch that ends it) and is
+    ``host_late`` when that launch was made after the GPU went idle (the host had nothing queued), else
+    ``gpu_wait`` (the next work was queued but waited: a dependency, an event, a copy). ``marks``: the phases as
+    (name "fwd:<i>" / ..., start, end) in host Unix ns (time.time_ns()), used where the trace holds no
+    ``record_function`` ranges (a CUDA-only profile may record none), mapped through its baseTimeNanoseconds."""
+    ev = trace.get("traceEvents", [])
+    gpu = sorted((e for e in ev if e.get("cat") in GPU_CATS and "dur" in e), key=lambda e: e["ts"])
+    if not gpu:
+        return {"gpu_events": 0}
+    launch = {}  # correlation id -> (host start time, thread) of the runtime call that launched it
+    runtime = []
+    for e in ev:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            corr = (e.get("args") or {}).get("correlation")
+            if corr is not None:
+                launch[corr] = (e["ts"], e.get("tid"))
+            runtime.append(e)
+    phases = []  # (start, end, key): fwd0 / bwd0 (the micro-batch that recomputes the norms), fwd* / bwd*, step
+    for e in ev:
+        name, _, idx = e.get("name", "").partition(":")
+        if e.get("cat") == "user_annotation" and name in PHASE_NAMES and "dur" in e:
+            phases.append((e["ts"], e["ts"] + e["dur"], _phase_key(name, idx)))
+    if not phases and marks and "baseTimeNanoseconds" in trace:
+        base = trace["baseTimeNanoseconds"]
+        for full, t0, t1 in marks:
+            name, _, idx = full.partition(":")
+            phases.append(((t0 - base) / 1e3, (t1 - base) / 1e3, _phase_key(name, idx)))
+    ops = collections.defaultdict(list)  # thread -> [(start, end, name)] by start
+    for e in ev:
+        if e.get("cat") in ("cpu_op", "user_annotation") and "dur" in e \
+                and e.get("name", "").partition(":")[0] not in PHASE_NAMES:
+            ops[e.get("tid")].append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    for lst in ops.values():
+        lst.sort()
+    starts = {tid: [o[0] for o in lst] for tid, lst in ops.items()}
+
+    def phase_of(ts):
+        return next((key for s, t, key in phases if s <= ts <= t), "outside")
+
+    def op_of(ts, tid):
+        """The innermost (latest-starting) CPU op of the launching thread whose range holds ts."""
+        lst = ops.get(tid, [])
+        i = bisect.bisect_right(starts.get(tid, []), ts) - 1
+        for j in range(i, max(i - 2000, -1), -1):  # a bounded look-back
+            s, t, name = lst[j]
+            if t >= ts:
+                return name
+        return "(no op)"
+
+    t_first, t_last = gpu[0]["ts"], max(e["ts"] + e["dur"] for e in gpu)
+    busy_end = gpu[0]["ts"]
+    idle = 0.0
+    kern_us = 0.0
+    by_phase = collections.Counter()
+    by_bin = collections.Counter()
+    by_cause = collections.Counter()
+    by_op = collections.Counter()
+    n_gaps = collections.Counter()
+    for e in gpu:
+        kern_us += e["dur"]
+        gap = e["ts"] - busy_end
+        if gap >= min_gap_us:
+            idle += gap
+            corr = (e.get("args") or {}).get("correlation")
+            lts, ltid = launch.get(corr, (None, None))
+            late = lts is not None and lts > busy_end
+            ph = phase_of(lts) if lts is not None else "unknown"
+            cause = "host_late" if late else "gpu_wait"
+            by_phase[f"{ph}/{cause}"] += gap
+            by_bin[_bin(gap)] += gap
+            by_cause[cause] += gap
+            n_gaps[cause] += 1
+            if late and ops:
+                by_op[op_of(lts, ltid)] += gap
+        busy_end = max(busy_end, e["ts"] + e["dur"])
+    syncs = collections.defaultdict(lambda: [0, 0.0])
+    for e in runtime:
+        if any(k in e["name"] for k in SYNCING):
+            rec = syncs[e["name"]]
+            rec[0] += 1
+            rec[1] += e.get("dur", 0)
+    launches = sum(1 for e in runtime if "Launch" in e["name"])
+    window = t_last - t_first
+    return {
+        "gpu_events": len(gpu), "launches": launches,
+        "window_ms": window / 1e3, "gpu_event_ms": kern_us / 1e3, "idle_ms": idle / 1e3,
+        "busy_frac": 1 - idle / window if window else None,
+        "idle_ms_by_cause": {k: v / 1e3 for k, v in by_cause.items()},
+        "gaps_by_cause": dict(n_gaps),
+        "idle_ms_by_phase": {k: v / 1e3 for k, v in sorted(by_phase.items())},
+        "idle_ms_by_size": {name: by_bin[name] / 1e3 for _, name in SIZE_BINS},
+        "host_late_ms_by_op": {k: v / 1e3 for k, v in by_op.most_common(top)},
+        "runtime_calls": {k: {"count": c, "host_ms": d / 1e3} for k, (c, d) in sorted(syncs.items())},
+    }
+
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="/tmp/gap_probe.json")
+    p.add_argument("--setup", default="bf16", choices=["amp", "bf16"])
+    p.add_argument("--shape", default="qwen3-8b")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--rank", type=int, default=384)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--ga", type=int, default=8)
+    p.add_argument("--loss-tokens", type=int, default=1024)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--variants", default="lora,fastdora")
+    p.add_argument("--modes", default="cuda,ops")
+    p.add_argument("--min-gap-us", type=float, default=2.0)
+    p.add_argument("--old-pkg", default=None, help="variant fastdora_old: the fastdora package in DIR/fastdora")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke test")
+    a = p.parse_args()
+    import torch
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    import model_bench as mb
+
+    dev = torch.device("cpu" if a.tiny else "cuda")
+    if a.tiny:
+        a.shape, a.seq, a.loss_tokens, a.layers, a.rank, a.ga = "tiny", 64, 16, 2, 8, 2
+    ctx, micro, sync = mb.step_inputs(a, dev)
+    runs = {}
+    for v in a.variants.split(","):
+        model, info = mb.build_in_process(a, dev, v)
+        model.train()
+        opt = torch.optim.SGD([q for q in model.parameters() if q.requires_grad], lr=0.0)
+        runs[v] = (model, opt, info)
+
+    marks = []
+
+    @contextlib.contextmanager
+    def phase(name):  # a record_function range, and its host Unix ns (for a trace without CPU ranges)
+        t0 = time.time_ns()
+        with record_function(name):
+            yield
+        marks.append((name, t0, time.time_ns()))
+
+    def iteration(v):
+        model, opt, _ = runs[v]
+        marks.clear()
+        for i, ids in enumerate(micro):
+            with phase(f"fwd:{i}"):
+                with ctx():
+                    logits = model(input_ids=ids, logits_to_keep=a.loss_tokens + 1, use_cache=False).logits
+                loss = F.cross_entropy(logits[0, :-1].float(), ids[0, -a.loss_tokens:]) / a.ga
+            with phase(f"bwd:{i}"):
+                loss.backward()
+        with phase("step:0"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    for v in runs:  # warm-up: compile, autotune, allocator; two steps (the norm recompute with a cached base)
+        for _ in range(3):
+            iteration(v)
+    sync()
+    gc.collect()
+    gc.freeze()
+    modes = a.modes.split(",")
+    acts = {"cuda": [ProfilerActivity.CUDA], "ops": [ProfilerActivity.CPU, ProfilerActivity.CUDA]}
+    if a.tiny:
+        acts = {m: [ProfilerActivity.CPU] for m in modes}
+    with profile(activities=acts[modes[-1]]):  # the profiler's own first-use set-up (CUPTI), outside the rounds
+        torch.ones(1, device=dev).add_(1)
+        sync()
+    rows = []
+    order = list(runs)
+    tmp = tempfile.mkdtemp(prefix="gap_probe_")
+    for rnd in range(a.rounds):
+        k = rnd % len(order)
+        for v in order[k:] + order[:k]:
+            sync()
+            t0 = time.perf_counter()
+            iteration(v)
+            sync()
+            row = dict(variant=v, round=rnd, wall_ms=(time.perf_counter() - t0) * 1e3)
+            for m in modes:
+                sync()
+                with profile(activities=acts[m]) as prof:
+                    t0 = time.perf_counter()
+                    iteration(v)
+                    sync()
+                    wall = (time.perf_counter() - t0) * 1e3
+                path = os.path.join(tmp, f"{v}_{m}.json")
+                prof.export_chrome_trace(path)
+                with open(path) as f:
+                    row[m] = dict(wall_ms=wall, **analyse(json.load(f), a.min_gap_us, marks=marks))
+                os.remove(path)
+            rows.append(row)
+            short = {m: {k2: row[m].get(k2) for k2 in ("wall_ms", "gpu_event_ms", "idle_ms", "idle_ms_by_cause")}
+                     for m in modes}
+            print(json.dumps(dict(variant=v, round=rnd, wall_ms=round(row["wall_ms"], 1), **short), default=str),
+                  flush=True)
+
+    def med(rs, path):
+        vals = []
+        for r in rs:
+            x = r
+            for key in path:
+                x = x.get(key, 0.0) if isinstance(x, dict) else 0.0
+            vals.append(x or 0.0)
+        return statistics.median(vals) if vals else None
+
+    summary = {}
+    for v in runs:
+        rs = [r for r in rows if r["variant"] == v]
+        s = {"wall_ms": med(rs, ["wall_ms"])}
+        for m in modes:
+            keys = set()
+            for r in rs:
+                for grp in ("idle_ms_by_phase", "idle_ms_by_cause", "idle_ms_by_size", "host_late_ms_by_op"):
+                    keys |= {(grp, k2) for k2 in r[m].get(grp, {})}
+            s[m] = {k2: med(rs, [m, k2]) for k2 in ("wall_ms", "window_ms", "gpu_event_ms", "idle_ms", "launches")}
+            for grp, k2 in sorted(keys):
+                s[m].setdefault(grp, {})[k2] = med(rs, [m, grp, k2])
+            calls = set()
+            for r in rs:
+                calls |= set(r[m].get("runtime_calls", {}))
+            s[m]["runtime_calls"] = {c: {"count": med(rs, [m, "runtime_calls", c, "count"]),
+                                         "host_ms": med(rs, [m, "runtime_calls", c, "host_ms"])} for c in sorted(calls)}
+        summary[v] = s
+    for v, s in summary.items():
+        print(f"== {v}: unprofiled wall {s['wall_ms']:.1f} ms", flush=True)
+        for m in modes:
+            sm = s[m]
+            print(f"   [{m}] wall {sm['wall_ms']:.1f}  gpu events {sm['gpu_event_ms']:.1f}  idle {sm['idle_ms']:.1f} ms"
+                  f"  by cause {json.dumps(sm.get('idle_ms_by_cause', {}))}", flush=True)
+            print(f"        by phase {json.dumps(sm.get('idle_ms_by_phase', {}))}", flush=True)
+            print(f"        by size {json.dumps(sm.get('idle_ms_by_size', {}))}", flush=True)
+            if sm.get("host_late_ms_by_op"):
+                top = sorted(sm["host_late_ms_by_op"].items(), key=lambda t: -t[1])[:8]
+                print(f"        host-late by op {json.dumps(dict(top))}", flush=True)
+            print(f"        runtime {json.dumps(sm['runtime_calls'])}", flush=True)
+    meta = {"setup": a.setup, "shape": a.shape, "layers": a.layers, "rank": a.rank, "seq": a.seq, "ga": a.ga,
+            "min_gap_us": a.min_gap_us, "torch": torch.__version__, "cmd": " ".join(sys.argv),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "info": {v: mb._jsonable(r[2]) for v, r in runs.items()}, "native_node": mb.native_node_info()}
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump({"meta": meta, "summary": summary, "rows": rows}, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

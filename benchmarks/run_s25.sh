@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Device script (session 25, nvidia-h200), from the repository root; no carry needed (the image's PEFT).
+#
+#   bash benchmarks/run_s25.sh gap       the C++ node built; its GPU tests (tests/test_native_node.py -m gpu: the
+#                                        template re-registration fix c51ef37 on a GPU); then gap_probe.py: LoRA and
+#                                        fastdora in one process, interleaved, Qwen3-8B shapes, 8 layers, r=384: where
+#                                        the GPU is idle in a whole iteration (by phase, gap size, cause, op), pure bf16
+#                                        (GAP_ROUNDS, default 3) then AMP (2 rounds)
+#   bash benchmarks/run_s25.sh suite     the whole GPU test suite (pytest tests -m gpu; TESTS_S, default 420)
+#   bash benchmarks/run_s25.sh harness   issue 5's whole harness: model_bench.py --plan h200 (BENCH_S, default 520)
+set -uo pipefail
+source benchmarks/_env.sh
+export FASTDORA_CACHE_DIR=${FASTDORA_CACHE_DIR:-/tmp/fdcache}
+t0=$(date +%s)
+source benchmarks/_bench.sh  # bench PLAN BUDGET_S [model_bench arguments]; node; smi_start
+gpu_tests() {  # gpu_tests LOG TIMEOUT_S [pytest targets]
+  local log=$1 limit=$2
+  timeout $limit python -m pytest "${@:3}" -m gpu -q -p no:cacheprovider 2>&1 | tail -25 > $OUT/$log
+  tail -6 $OUT/$log
+  echo "tests $(( $(date +%s) - t0 )) s" | tee -a $OUT/times.log
+}
+case "${1:-gap}" in
+  gap)
+    node
+    gpu_tests gpu_tests_native.log ${TESTS_S:-150} tests/test_native_node.py
+    smi_start
+    timeout ${GAP_S:-260} python benchmarks/gap_probe.py --setup bf16 --rounds ${GAP_ROUNDS:-3} \
+      --out $OUT/gap_bf16.json > $OUT/gap_bf16.log 2>&1
+    grep -v "^{" $OUT/gap_bf16.log | grep -v "Warn\|USDT\|profiler_st" | tail -30
+    echo "gap bf16 $(( $(date +%s) - t0 )) s" | tee -a $OUT/times.log
+    timeout $(( ${END_S:-540} - ($(date +%s) - t0) )) python benchmarks/gap_probe.py --setup amp --rounds 2 \
+      --out $OUT/gap_amp.json > $OUT/gap_amp.log 2>&1
+    grep -v "^{" $OUT/gap_amp.log | grep -v "Warn\|USDT\|profiler_st" | tail -30
+    kill $smi
+    ;;
+  suite)
+    node
+    gpu_tests gpu_tests.log ${TESTS_S:-420} tests
+    ;;
+  harness)
+    node
+    bench h200 ${BENCH_S:-520} --spawn ${SPAWN:-fork}
+    ;;
+esac
+echo "total $(( $(date +%s) - t0 )) s" | tee -a $OUT/times.log
