@@ -157,6 +157,83 @@ def analyse(trace: dict, min_gap_us: float = 2.0, top: int = 15, marks=None) -> 
 
 
 
+WAITING = ("cudaStreamSynchronize", "cuStreamSynchronize", "cudaDeviceSynchronize", "pthread_cond_wait",
+           "pthread_cond_timedwait", "futex", "__futex", "sem_wait", "do_futex_wait", "epoll_wait", "nanosleep",
+           "poll (", "take_gil", "PyThread_acquire_lock", "lock_PyThread_acquire_lock")
+
+
+def fold_stacks(text: str, top: int = 40, main_marker: str | None = None) -> dict:
+    """py-spy's raw (collapsed) output -> per thread: samples, samples whose stack shows a wait (a sync, a
+    condition variable / futex, the GIL) and the rest (``cpu``); inclusive samples by function (each frame counted
+    once per stack), for the ``top`` functions; self samples by leaf frame. With ``main_marker``, the main thread's
+    stacks without that frame (outside the measured loop) are left out."""
+    threads = collections.defaultdict(lambda: {"samples": 0, "waiting": 0, "incl": collections.Counter(),
+                                               "self": collections.Counter()})
+    for line in text.splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        n = int(n)
+        frames = stack.split(";")
+        name = frames[0].split(":", 1)[1].strip() if ":" in frames[0] else frames[0]
+        if main_marker and name == "MainThread" and main_marker not in stack:
+            continue
+        t = threads[name]
+        t["samples"] += n
+        body = frames[1:]
+        if any(w in f for f in body[-6:] for w in WAITING):
+            t["waiting"] += n
+        for f in set(body):
+            t["incl"][f] += n
+        if body:
+            t["self"][body[-1]] += n
+    return {name: {"samples": t["samples"], "waiting": t["waiting"], "cpu": t["samples"] - t["waiting"],
+                   "incl": dict(t["incl"].most_common(top)), "self": dict(t["self"].most_common(top))}
+            for name, t in threads.items()}
+
+
+def pyspy_sample(run_iteration, sync, a, variant) -> dict:
+    """Runs ``run_iteration`` for ``a.pyspy_s`` seconds with py-spy attached to this process (stopped by SIGINT
+    right after); the raw stacks go to a.pyspy/pyspy_<variant>.txt.gz; returns the folded stacks and each thread's
+    CPU / waiting ms per iteration (the main thread's samples outside ``run_iteration`` left out)."""
+    import gzip
+    import shutil
+    import signal
+    import subprocess
+
+    exe = shutil.which("py-spy")
+    if exe is None:
+        raise RuntimeError("--pyspy needs py-spy on PATH (pip install py-spy)")
+    os.makedirs(a.pyspy, exist_ok=True)
+    raw = os.path.join(a.pyspy, f"pyspy_{variant}.txt")
+    cmd = [exe, "record", "--pid", str(os.getpid()), "--rate", str(a.pyspy_rate), "--format", "raw", "--output", raw,
+           "--duration", str(int(a.pyspy_s + 60)), "--threads", "--idle", "--native"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    time.sleep(1.0)  # attached
+    sync()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < a.pyspy_s:
+        run_iteration()
+        sync()
+        n += 1
+    wall = time.perf_counter() - t0
+    proc.send_signal(signal.SIGINT)
+    log = proc.communicate(timeout=120)[0].decode(errors="replace")
+    if not os.path.exists(raw):
+        raise RuntimeError(f"py-spy wrote nothing: {log[-800:]}")
+    with open(raw) as f:
+        text = f.read()
+    with gzip.open(raw + ".gz", "wt") as f:
+        f.write(text)
+    os.remove(raw)
+    folded = fold_stacks(text, main_marker=run_iteration.__name__ + " (")
+    ms = 1e3 / a.pyspy_rate / n
+    return {"iterations": n, "wall_s": wall, "iter_ms": wall * 1e3 / n, "rate": a.pyspy_rate,
+            "per_iter_ms_by_thread": {k: {"cpu": round(t["cpu"] * ms, 1), "waiting": round(t["waiting"] * ms, 1)}
+                                      for k, t in folded.items()},
+            "threads": folded, "log": log[-400:]}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="/tmp/gap_probe.json")
@@ -172,6 +249,10 @@ def main():
     p.add_argument("--modes", default="cuda,ops")
     p.add_argument("--min-gap-us", type=float, default=2.0)
     p.add_argument("--old-pkg", default=None, help="variant fastdora_old: the fastdora package in DIR/fastdora")
+    p.add_argument("--pyspy", help="after the rounds, sample each variant's iterations with py-spy (native + Python "
+                   "stacks of every thread, idle included) into PYSPY/pyspy_<variant>.txt.gz; needs py-spy on PATH")
+    p.add_argument("--pyspy-s", type=float, default=10.0, help="seconds of sampling per variant")
+    p.add_argument("--pyspy-rate", type=int, default=250)
     p.add_argument("--tiny", action="store_true", help="CPU smoke test")
     a = p.parse_args()
     import torch
@@ -214,6 +295,15 @@ def main():
             opt.step()
             opt.zero_grad(set_to_none=True)
 
+    def phase_ms(ms):
+        """Host ms per phase key of an iteration's marks (fwd: until the loss is enqueued, incl. the causal mask's
+        sync; bwd: until backward() returned)."""
+        acc = collections.Counter()
+        for full, t0, t1 in ms:
+            name, _, idx = full.partition(":")
+            acc[_phase_key(name, idx)] += (t1 - t0) / 1e6
+        return dict(acc)
+
     for v in runs:  # warm-up: compile, autotune, allocator; two steps (the norm recompute with a cached base)
         for _ in range(3):
             iteration(v)
@@ -237,7 +327,7 @@ def main():
             t0 = time.perf_counter()
             iteration(v)
             sync()
-            row = dict(variant=v, round=rnd, wall_ms=(time.perf_counter() - t0) * 1e3)
+            row = dict(variant=v, round=rnd, wall_ms=(time.perf_counter() - t0) * 1e3, host_phase_ms=phase_ms(marks))
             for m in modes:
                 sync()
                 with profile(activities=acts[m]) as prof:
@@ -255,6 +345,15 @@ def main():
                      for m in modes}
             print(json.dumps(dict(variant=v, round=rnd, wall_ms=round(row["wall_ms"], 1), **short), default=str),
                   flush=True)
+
+    spy = {}
+    if a.pyspy:
+        for v in order:
+            def spied(v=v):
+                iteration(v)
+
+            spy[v] = pyspy_sample(spied, sync, a, v)
+            print(f"py-spy {v}: {json.dumps(spy[v]['per_iter_ms_by_thread'])}", flush=True)
 
     def med(rs, path):
         vals = []
@@ -282,9 +381,11 @@ def main():
                 calls |= set(r[m].get("runtime_calls", {}))
             s[m]["runtime_calls"] = {c: {"count": med(rs, [m, "runtime_calls", c, "count"]),
                                          "host_ms": med(rs, [m, "runtime_calls", c, "host_ms"])} for c in sorted(calls)}
+        s["host_phase_ms"] = {k2: med(rs, ["host_phase_ms", k2]) for k2 in rs[0]["host_phase_ms"]}
         summary[v] = s
     for v, s in summary.items():
-        print(f"== {v}: unprofiled wall {s['wall_ms']:.1f} ms", flush=True)
+        print(f"== {v}: unprofiled wall {s['wall_ms']:.1f} ms, host per phase "
+              f"{json.dumps({k2: round(x, 1) for k2, x in s['host_phase_ms'].items()})}", flush=True)
         for m in modes:
             sm = s[m]
             print(f"   [{m}] wall {sm['wall_ms']:.1f}  gpu events {sm['gpu_event_ms']:.1f}  idle {sm['idle_ms']:.1f} ms"
@@ -301,7 +402,7 @@ def main():
             "info": {v: mb._jsonable(r[2]) for v, r in runs.items()}, "native_node": mb.native_node_info()}
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
-        json.dump({"meta": meta, "summary": summary, "rows": rows}, f, indent=1, default=str)
+        json.dump({"meta": meta, "summary": summary, "rows": rows, "pyspy": spy}, f, indent=1, default=str)
 
 
 if __name__ == "__main__":

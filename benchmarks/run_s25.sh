@@ -6,6 +6,10 @@
 #                                        fastdora in one process, interleaved, Qwen3-8B shapes, 8 layers, r=384: where
 #                                        the GPU is idle in a whole iteration (by phase, gap size, cause, op), pure bf16
 #                                        (GAP_ROUNDS, default 3) then AMP (2 rounds)
+#   bash benchmarks/run_s25.sh spy       (carry .whl: py-spy's wheel) gap_probe.py pure bf16, 2 rounds, CUDA-only traces,
+#                                        then each variant's iterations sampled by py-spy (native + Python stacks of
+#                                        every thread: where the host's time goes; SPY_S seconds each, default 12),
+#                                        then the whole GPU test suite in the time left (until END_S, default 560)
 #   bash benchmarks/run_s25.sh suite     the whole GPU test suite (pytest tests -m gpu; TESTS_S, default 420)
 #   bash benchmarks/run_s25.sh harness   issue 5's whole harness: model_bench.py --plan h200 (BENCH_S, default 520)
 set -uo pipefail
@@ -32,6 +36,15 @@ case "${1:-gap}" in
       --out $OUT/gap_amp.json > $OUT/gap_amp.log 2>&1
     grep -v "^{" $OUT/gap_amp.log | grep -v "Warn\|USDT\|profiler_st" | tail -30
     kill $smi
+    ;;
+  spy)
+    python -m pip install -q --no-index --no-deps --target /tmp/spy .whl/py_spy-*.whl && export PATH=/tmp/spy/bin:$PATH
+    node
+    timeout ${GAP_S:-200} python benchmarks/gap_probe.py --setup ${SETUP:-bf16} --rounds 2 --modes cuda \
+      --pyspy $OUT --pyspy-s ${SPY_S:-12} --out $OUT/gap_spy_${SETUP:-bf16}.json > $OUT/gap_spy.log 2>&1
+    grep -v "^{" $OUT/gap_spy.log | grep -v "Warn\|USDT\|profiler_st\|_warn_once" | tail -30
+    echo "spy $(( $(date +%s) - t0 )) s" | tee -a $OUT/times.log
+    gpu_tests gpu_tests.log $(( ${END_S:-560} - ($(date +%s) - t0) )) tests
     ;;
   suite)
     node

@@ -245,3 +245,29 @@ def test_gap_probe_tiny_run(tmp_path):
     assert set(doc["summary"]) == {"lora", "fastdora"}
     assert [r["variant"] for r in doc["rows"]] == ["lora", "fastdora"]
     assert all(r["cuda"]["gpu_events"] == 0 and r["ops"]["wall_ms"] > 0 for r in doc["rows"])
+
+
+def test_gap_probe_folds_pyspy_stacks():
+    """gap_probe.fold_stacks on hand-written py-spy raw lines: per thread, waits (a sync / futex / the GIL near the
+    leaf) vs CPU, inclusive counts once per stack, self counts by leaf, main-thread stacks outside the loop left out."""
+    sys.path.insert(0, BENCH)
+    try:
+        import gap_probe
+    finally:
+        sys.path.remove(BENCH)
+    text = "\n".join([
+        "thread (1): MainThread;main (a.py:1);spied (a.py:2);forward (m.py:3);at::mm (libtorch.so) 7",
+        "thread (1): MainThread;main (a.py:1);spied (a.py:2);forward (m.py:3);forward (m.py:3);cudaStreamSynchronize"
+        " (libcudart.so) 3",
+        "thread (1): MainThread;main (a.py:1);time_sleep (libpython.so) 50",  # outside the loop
+        "thread (2): pt_autograd_0;Engine::thread_main (libtorch.so);pthread_cond_wait (libc.so.6) 20",
+        "thread (2): pt_autograd_0;Engine::thread_main (libtorch.so);ComposeNode::apply (native.so) 5",
+        "not a stack line",
+    ])
+    f = gap_probe.fold_stacks(text, main_marker="spied (")
+    assert f["MainThread"]["samples"] == 10 and f["MainThread"]["waiting"] == 3 and f["MainThread"]["cpu"] == 7
+    assert f["MainThread"]["incl"]["forward (m.py:3)"] == 10  # counted once per stack, not per frame
+    assert f["MainThread"]["self"] == {"at::mm (libtorch.so)": 7, "cudaStreamSynchronize (libcudart.so)": 3}
+    auto = f["pt_autograd_0"]
+    assert (auto["samples"], auto["waiting"], auto["cpu"]) == (25, 20, 5)
+    assert gap_probe.fold_stacks(text)["MainThread"]["samples"] == 60
