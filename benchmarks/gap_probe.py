@@ -352,8 +352,14 @@ def main():
             def spied(v=v):
                 iteration(v)
 
-            spy[v] = pyspy_sample(spied, sync, a, v)
-            print(f"py-spy {v}: {json.dumps(spy[v]['per_iter_ms_by_thread'])}", flush=True)
+            try:
+                spy[v] = pyspy_sample(spied, sync, a, v)
+            except Exception as e:  # noqa: BLE001  (e.g. no ptrace permission): the rounds' results still count
+                spy[v] = {"error": repr(e)}
+                print(f"py-spy {v} failed: {e!r}", flush=True)
+                continue
+            print(f"py-spy {v}: {spy[v]['iterations']} iterations, {spy[v]['iter_ms']:.0f} ms each, per thread "
+                  f"{json.dumps(spy[v]['per_iter_ms_by_thread'])}", flush=True)
 
     def med(rs, path):
         vals = []
