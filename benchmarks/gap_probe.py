@@ -153,7 +153,56 @@ def analyse(trace: dict, min_gap_us: float = 2.0, top: int = 15, marks=None) -> 
         "idle_ms_by_size": {name: by_bin[name] / 1e3 for _, name in SIZE_BINS},
         "host_late_ms_by_op": {k: v / 1e3 for k, v in by_op.most_common(top)},
         "runtime_calls": {k: {"count": c, "host_ms": d / 1e3} for k, (c, d) in sorted(syncs.items())},
+        **(host_breakdown(ev, phases) if ops else {}),
     }
+
+
+def host_breakdown(ev, phases, top: int = 40) -> dict:
+    """Host time of the profiled iteration by thread and phase group from the CPU ops (``ops`` mode): per thread
+    (``main``: the one that ran the phases' ranges; ``other``: the autograd engine's device thread and any other)
+    and phase group (fwd / bwd / step by the op's start), the time inside top-level ops, and the self time
+    (duration minus direct children) of every op and record_function range by name: where the host's time goes.
+    Runtime calls (launches etc.) count as children of the op that made them."""
+    main_tid = next((e.get("tid") for e in ev if e.get("cat") == "user_annotation"
+                     and e.get("name", "").partition(":")[0] in PHASE_NAMES), None)
+    spans = collections.defaultdict(list)
+    for e in ev:
+        if e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver", "python_function") \
+                and "dur" in e and e.get("name", "").partition(":")[0] not in PHASE_NAMES:
+            spans[e.get("tid")].append((e["ts"], -e["dur"], e["name"], e.get("cat")))
+
+    def group(ts):
+        for s0, s1, key in phases:
+            if s0 <= ts <= s1:
+                return key.rstrip("0*")
+        return "outside"
+
+    top_ms = collections.Counter()
+    self_ms = collections.defaultdict(collections.Counter)
+    count = collections.defaultdict(collections.Counter)
+    for tid, lst in spans.items():
+        kind = "main" if tid == main_tid else "other"
+        lst.sort()
+        stack = []  # [end, name, children_us, start, is_runtime]
+        def close(item):
+            end, name, kids, start, _ = item
+            g = f"{kind}/{group(start)}"
+            self_ms[g][name] += (end - start - kids) / 1e3
+            count[g][name] += 1
+        for ts, neg, name, cat in lst:
+            end = ts - neg
+            while stack and stack[-1][0] <= ts:
+                close(stack.pop())
+            if stack:
+                stack[-1][2] += end - ts
+            else:
+                top_ms[f"{kind}/{group(ts)}"] += (end - ts) / 1e3
+            stack.append([end, name, 0.0, ts, cat in ("cuda_runtime", "cuda_driver")])
+        while stack:
+            close(stack.pop())
+    return {"host_top_level_ms": dict(top_ms),
+            "host_self_ms": {f"{g}|{k}": v for g, c in self_ms.items() for k, v in c.most_common(top)},
+            "host_calls": {f"{g}|{k}": count[g][k] for g, c in self_ms.items() for k, _ in c.most_common(top)}}
 
 
 
@@ -377,7 +426,8 @@ def main():
         for m in modes:
             keys = set()
             for r in rs:
-                for grp in ("idle_ms_by_phase", "idle_ms_by_cause", "idle_ms_by_size", "host_late_ms_by_op"):
+                for grp in ("idle_ms_by_phase", "idle_ms_by_cause", "idle_ms_by_size", "host_late_ms_by_op",
+                            "host_top_level_ms", "host_self_ms", "host_calls"):
                     keys |= {(grp, k2) for k2 in r[m].get(grp, {})}
             s[m] = {k2: med(rs, [m, k2]) for k2 in ("wall_ms", "window_ms", "gpu_event_ms", "idle_ms", "launches")}
             for grp, k2 in sorted(keys):
@@ -398,6 +448,8 @@ def main():
                   f"  by cause {json.dumps(sm.get('idle_ms_by_cause', {}))}", flush=True)
             print(f"        by phase {json.dumps(sm.get('idle_ms_by_phase', {}))}", flush=True)
             print(f"        by size {json.dumps(sm.get('idle_ms_by_size', {}))}", flush=True)
+            if sm.get("host_top_level_ms"):
+                print(f"        host in top-level ops {json.dumps(sm['host_top_level_ms'])}", flush=True)
             if sm.get("host_late_ms_by_op"):
                 top = sorted(sm["host_late_ms_by_op"].items(), key=lambda t: -t[1])[:8]
                 print(f"        host-late by op {json.dumps(dict(top))}", flush=True)

@@ -10,6 +10,11 @@
 #                                        then each variant's iterations sampled by py-spy (native + Python stacks of
 #                                        every thread: where the host's time goes; SPY_S seconds each, default 12),
 #                                        then the whole GPU test suite in the time left (until END_S, default 560)
+#   bash benchmarks/run_s25.sh host      gap_probe.py pure bf16, 3 rounds, CUDA-only and CPU-op traces (the host's time by
+#                                        thread, phase and op: host_top_level_ms / host_self_ms); then model_bench
+#                                        --plan bf16 --sequence lora,fastdora,lora,fastdora,fastdora,lora in exec workers
+#                                        (SEQ_S seconds, default 200; GPU sampled per row); then the AMP gap probe in the
+#                                        time left (until END_S, default 540)
 #   bash benchmarks/run_s25.sh suite     the whole GPU test suite (pytest tests -m gpu; TESTS_S, default 420)
 #   bash benchmarks/run_s25.sh harness   issue 5's whole harness: model_bench.py --plan h200 (BENCH_S, default 520)
 set -uo pipefail
@@ -45,6 +50,17 @@ case "${1:-gap}" in
     grep -v "^{" $OUT/gap_spy.log | grep -v "Warn\|USDT\|profiler_st\|_warn_once" | tail -30
     echo "spy $(( $(date +%s) - t0 )) s" | tee -a $OUT/times.log
     gpu_tests gpu_tests.log $(( ${END_S:-560} - ($(date +%s) - t0) )) tests
+    ;;
+  host)
+    node
+    timeout ${GAP_S:-150} python benchmarks/gap_probe.py --setup bf16 --rounds 3 --out $OUT/gap_host_bf16.json \
+      > $OUT/gap_host_bf16.log 2>&1
+    grep -v "^{" $OUT/gap_host_bf16.log | grep -v "Warn\|USDT\|profiler_st\|_warn_once" | tail -30
+    echo "gap bf16 $(( $(date +%s) - t0 )) s" | tee -a $OUT/times.log
+    TAG=seq_bf16 FILES="json md" bench bf16 ${SEQ_S:-200} --spawn exec --sequence lora,fastdora,lora,fastdora,fastdora,lora
+    timeout $(( ${END_S:-540} - ($(date +%s) - t0) )) python benchmarks/gap_probe.py --setup amp --rounds 2 \
+      --out $OUT/gap_host_amp.json > $OUT/gap_host_amp.log 2>&1
+    grep -v "^{" $OUT/gap_host_amp.log | grep -v "Warn\|USDT\|profiler_st\|_warn_once" | tail -30
     ;;
   suite)
     node

@@ -225,6 +225,14 @@ def test_gap_probe_attributes_idle_time():
     assert r["runtime_calls"] == {"cudaStreamSynchronize": {"count": 1, "host_ms": 0.03},
                                   "cudaFree": {"count": 1, "host_ms": 0.008}}
     assert gap_probe.analyse({"traceEvents": ev[:8]}) == {"gpu_events": 0}
+    # the host's time: top-level ops per thread (main: the phases' thread) and phase group, self time by op
+    assert r["host_top_level_ms"] == pytest.approx({"main/fwd": 0.352, "main/bwd": 0.002, "main/step": 0.038,
+                                                    "other/fwd": 0.005})
+    assert r["host_self_ms"] == pytest.approx({
+        "main/fwd|fastdora::norm": 0.288, "main/fwd|aten::mm": 0.046, "main/fwd|aten::add": 0.010,
+        "main/fwd|cudaLaunchKernel": 0.008, "main/bwd|cudaLaunchKernel": 0.002,
+        "main/step|cudaStreamSynchronize": 0.030, "main/step|cudaFree": 0.008, "other/fwd|aten::mul": 0.005})
+    assert r["host_calls"]["main/fwd|cudaLaunchKernel"] == 4
     # without record_function ranges (a CUDA-only profile): the phases from host Unix-ns marks and the trace's base
     base = 1_000_000_000
     marks = [("fwd:0", base, base + 400_000), ("bwd:0", base + 400_000, base + 1_000_000),
