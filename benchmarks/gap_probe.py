@@ -40,7 +40,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-PHASE_NAMES = ("fwd", "bwd", "step")  # the record_function ranges of iteration(): fwd:<i>, bwd:<i>, step:0
+PHASE_NAMES = ("fwd", "bwd", "step")
+SMALL_CHILDREN = 12  # host_breakdown: an op instance with at most this many direct children counts as "small"  # the record_function ranges of iteration(): fwd:<i>, bwd:<i>, step:0
 # runtime calls that block the host or may (allocation / free / copies / syncs)
 SYNCING = ("Synchronize", "Memcpy", "Malloc", "Free", "cudaStreamWaitEvent", "cudaEventQuery")
 SIZE_BINS = ((10, "<10us"), (50, "10-50us"), (200, "50-200us"), (1000, "0.2-1ms"), (float("inf"), ">1ms"))
@@ -162,7 +163,9 @@ def host_breakdown(ev, phases, top: int = 40) -> dict:
     (``main``: the one that ran the phases' ranges; ``other``: the autograd engine's device thread and any other)
     and phase group (fwd / bwd / step by the op's start), the time inside top-level ops, and the self time
     (duration minus direct children) of every op and record_function range by name: where the host's time goes.
-    Runtime calls (launches etc.) count as children of the op that made them."""
+    Runtime calls (launches etc.) count as children of the op that made them. ``host_self_small_ms``: the same for
+    the instances with at most SMALL_CHILDREN direct children, e.g. a composition node's backward apart from the
+    one per decoder layer that runs the layer's checkpoint recomputation (hundreds of children)."""
     main_tid = next((e.get("tid") for e in ev if e.get("cat") == "user_annotation"
                      and e.get("name", "").partition(":")[0] in PHASE_NAMES), None)
     spans = collections.defaultdict(list)
@@ -180,29 +183,42 @@ def host_breakdown(ev, phases, top: int = 40) -> dict:
     top_ms = collections.Counter()
     self_ms = collections.defaultdict(collections.Counter)
     count = collections.defaultdict(collections.Counter)
+    small_ms = collections.defaultdict(collections.Counter)  # instances with few direct children (e.g. an autograd
+    small_n = collections.defaultdict(collections.Counter)   # node's backward without the recomputation it triggers)
     for tid, lst in spans.items():
         kind = "main" if tid == main_tid else "other"
         lst.sort()
-        stack = []  # [end, name, children_us, start, is_runtime]
+        stack = []  # [end, name, children_us, start, direct children]
+
         def close(item):
-            end, name, kids, start, _ = item
+            end, name, kids, start, n_kids = item
             g = f"{kind}/{group(start)}"
             self_ms[g][name] += (end - start - kids) / 1e3
             count[g][name] += 1
-        for ts, neg, name, cat in lst:
+            if n_kids <= SMALL_CHILDREN:
+                small_ms[g][name] += (end - start - kids) / 1e3
+                small_n[g][name] += 1
+
+        for ts, neg, name, _cat in lst:
             end = ts - neg
             while stack and stack[-1][0] <= ts:
                 close(stack.pop())
             if stack:
                 stack[-1][2] += end - ts
+                stack[-1][4] += 1
             else:
                 top_ms[f"{kind}/{group(ts)}"] += (end - ts) / 1e3
-            stack.append([end, name, 0.0, ts, cat in ("cuda_runtime", "cuda_driver")])
+            stack.append([end, name, 0.0, ts, 0])
         while stack:
             close(stack.pop())
-    return {"host_top_level_ms": dict(top_ms),
-            "host_self_ms": {f"{g}|{k}": v for g, c in self_ms.items() for k, v in c.most_common(top)},
-            "host_calls": {f"{g}|{k}": count[g][k] for g, c in self_ms.items() for k, _ in c.most_common(top)}}
+
+    def flat(c):
+        return {f"{g}|{k}": v for g, cc in c.items() for k, v in cc.most_common(top)}
+
+    return {"host_top_level_ms": dict(top_ms), "host_self_ms": flat(self_ms),
+            "host_calls": {f"{g}|{k}": count[g][k] for g, c in self_ms.items() for k, _ in c.most_common(top)},
+            "host_self_small_ms": flat(small_ms),
+            "host_calls_small": {f"{g}|{k}": small_n[g][k] for g, c in small_ms.items() for k, _ in c.most_common(top)}}
 
 
 
@@ -256,7 +272,7 @@ def pyspy_sample(run_iteration, sync, a, variant) -> dict:
     os.makedirs(a.pyspy, exist_ok=True)
     raw = os.path.join(a.pyspy, f"pyspy_{variant}.txt")
     cmd = [exe, "record", "--pid", str(os.getpid()), "--rate", str(a.pyspy_rate), "--format", "raw", "--output", raw,
-           "--duration", str(int(a.pyspy_s + 60)), "--threads", "--idle", "--native"]
+           "--duration", str(int(a.pyspy_s + 60)), "--threads", "--idle"] + (["--native"] if a.pyspy_native else [])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     time.sleep(1.0)  # attached
     sync()
@@ -298,10 +314,13 @@ def main():
     p.add_argument("--modes", default="cuda,ops")
     p.add_argument("--min-gap-us", type=float, default=2.0)
     p.add_argument("--old-pkg", default=None, help="variant fastdora_old: the fastdora package in DIR/fastdora")
-    p.add_argument("--pyspy", help="after the rounds, sample each variant's iterations with py-spy (native + Python "
-                   "stacks of every thread, idle included) into PYSPY/pyspy_<variant>.txt.gz; needs py-spy on PATH")
+    p.add_argument("--pyspy", help="after the rounds, sample each variant's iterations with py-spy (Python stacks, "
+                   "--pyspy-native: and native ones, of every thread, idle included) into PYSPY/pyspy_<variant>.txt.gz; needs py-spy on PATH")
     p.add_argument("--pyspy-s", type=float, default=10.0, help="seconds of sampling per variant")
     p.add_argument("--pyspy-rate", type=int, default=250)
+    p.add_argument("--pyspy-native", action="store_true",
+                   help="native frames too (py-spy pauses the process per sample: session 25's H200 run slowed an "
+                        "iteration ~40x, so the samples show where host CPU goes when the host is the only limit)")
     p.add_argument("--tiny", action="store_true", help="CPU smoke test")
     a = p.parse_args()
     import torch
@@ -427,7 +446,8 @@ def main():
             keys = set()
             for r in rs:
                 for grp in ("idle_ms_by_phase", "idle_ms_by_cause", "idle_ms_by_size", "host_late_ms_by_op",
-                            "host_top_level_ms", "host_self_ms", "host_calls"):
+                            "host_top_level_ms", "host_self_ms", "host_calls", "host_self_small_ms",
+                            "host_calls_small"):
                     keys |= {(grp, k2) for k2 in r[m].get(grp, {})}
             s[m] = {k2: med(rs, [m, k2]) for k2 in ("wall_ms", "window_ms", "gpu_event_ms", "idle_ms", "launches")}
             for grp, k2 in sorted(keys):

@@ -15,6 +15,9 @@
 #                                        --plan bf16 --sequence lora,fastdora,lora,fastdora,fastdora,lora in exec workers
 #                                        (SEQ_S seconds, default 200; GPU sampled per row); then the AMP gap probe in the
 #                                        time left (until END_S, default 540)
+#   bash benchmarks/run_s25.sh nodes     gap_probe.py with CPU-op traces only (2 rounds), pure bf16 then AMP: the host's
+#                                        self time of the composition node's backwards apart from the one per layer
+#                                        that runs the checkpoint recomputation (host_self_small_ms)
 #   bash benchmarks/run_s25.sh suite     the whole GPU test suite (pytest tests -m gpu; TESTS_S, default 420)
 #   bash benchmarks/run_s25.sh harness   issue 5's whole harness: model_bench.py --plan h200 (BENCH_S, default 520)
 set -uo pipefail
@@ -46,7 +49,7 @@ case "${1:-gap}" in
     python -m pip install -q --no-index --no-deps --target /tmp/spy .whl/py_spy-*.whl && export PATH=/tmp/spy/bin:$PATH
     node
     timeout ${GAP_S:-200} python benchmarks/gap_probe.py --setup ${SETUP:-bf16} --rounds 2 --modes cuda \
-      --pyspy $OUT --pyspy-s ${SPY_S:-12} --out $OUT/gap_spy_${SETUP:-bf16}.json > $OUT/gap_spy.log 2>&1
+      --pyspy $OUT --pyspy-native --pyspy-s ${SPY_S:-12} --out $OUT/gap_spy_${SETUP:-bf16}.json > $OUT/gap_spy.log 2>&1
     grep -v "^{" $OUT/gap_spy.log | grep -v "Warn\|USDT\|profiler_st\|_warn_once" | tail -30
     echo "spy $(( $(date +%s) - t0 )) s" | tee -a $OUT/times.log
     gpu_tests gpu_tests.log $(( ${END_S:-560} - ($(date +%s) - t0) )) tests
@@ -61,6 +64,15 @@ case "${1:-gap}" in
     timeout $(( ${END_S:-540} - ($(date +%s) - t0) )) python benchmarks/gap_probe.py --setup amp --rounds 2 \
       --out $OUT/gap_host_amp.json > $OUT/gap_host_amp.log 2>&1
     grep -v "^{" $OUT/gap_host_amp.log | grep -v "Warn\|USDT\|profiler_st\|_warn_once" | tail -30
+    ;;
+  nodes)
+    node
+    for st in bf16 amp; do
+      timeout $(( ${END_S:-300} - ($(date +%s) - t0) )) python benchmarks/gap_probe.py --setup $st --rounds 2 \
+        --modes ops --out $OUT/gap_nodes_$st.json > $OUT/gap_nodes_$st.log 2>&1
+      grep "^==\|host in" $OUT/gap_nodes_$st.log
+      echo "gap $st $(( $(date +%s) - t0 )) s" | tee -a $OUT/times.log
+    done
     ;;
   suite)
     node

@@ -233,6 +233,12 @@ def test_gap_probe_attributes_idle_time():
         "main/fwd|cudaLaunchKernel": 0.008, "main/bwd|cudaLaunchKernel": 0.002,
         "main/step|cudaStreamSynchronize": 0.030, "main/step|cudaFree": 0.008, "other/fwd|aten::mul": 0.005})
     assert r["host_calls"]["main/fwd|cudaLaunchKernel"] == 4
+    assert r["host_self_small_ms"] == pytest.approx(r["host_self_ms"])  # every op here has few children
+    assert r["host_calls_small"]["main/fwd|fastdora::norm"] == 1
+    many = ev + [rt(110 + i, 100 + i, dur=0.5) for i in range(gap_probe.SMALL_CHILDREN + 1)]  # norm: 15 children
+    r3 = gap_probe.analyse({"traceEvents": many})
+    assert "main/fwd|fastdora::norm" in r3["host_self_ms"] and "main/fwd|fastdora::norm" not in r3["host_self_small_ms"]
+    assert r3["host_self_small_ms"]["main/fwd|aten::add"] == pytest.approx(0.010)
     # without record_function ranges (a CUDA-only profile): the phases from host Unix-ns marks and the trace's base
     base = 1_000_000_000
     marks = [("fwd:0", base, base + 400_000), ("bwd:0", base + 400_000, base + 1_000_000),
