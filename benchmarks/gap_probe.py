@@ -40,8 +40,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-PHASE_NAMES = ("fwd", "bwd", "step")
-SMALL_CHILDREN = 12  # host_breakdown: an op instance with at most this many direct children counts as "small"  # the record_function ranges of iteration(): fwd:<i>, bwd:<i>, step:0
+PHASE_NAMES = ("fwd", "bwd", "step")  # the record_function ranges of iteration(): fwd:<i>, bwd:<i>, step:0
+SMALL_CHILDREN = 12  # host_breakdown: an op instance with at most this many direct children counts as "small"
 # runtime calls that block the host or may (allocation / free / copies / syncs)
 SYNCING = ("Synchronize", "Memcpy", "Malloc", "Free", "cudaStreamWaitEvent", "cudaEventQuery")
 SIZE_BINS = ((10, "<10us"), (50, "10-50us"), (200, "50-200us"), (1000, "0.2-1ms"), (float("inf"), ">1ms"))
@@ -315,7 +315,8 @@ def main():
     p.add_argument("--min-gap-us", type=float, default=2.0)
     p.add_argument("--old-pkg", default=None, help="variant fastdora_old: the fastdora package in DIR/fastdora")
     p.add_argument("--pyspy", help="after the rounds, sample each variant's iterations with py-spy (Python stacks, "
-                   "--pyspy-native: and native ones, of every thread, idle included) into PYSPY/pyspy_<variant>.txt.gz; needs py-spy on PATH")
+                   "--pyspy-native: and native ones, of every thread, idle included) into "
+                   "PYSPY/pyspy_<variant>.txt.gz; needs py-spy on PATH")
     p.add_argument("--pyspy-s", type=float, default=10.0, help="seconds of sampling per variant")
     p.add_argument("--pyspy-rate", type=int, default=250)
     p.add_argument("--pyspy-native", action="store_true",
