@@ -39,6 +39,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import model_bench as mb  # noqa: E402
+
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 PHASE_NAMES = ("fwd", "bwd", "step")  # the record_function ranges of iteration(): fwd:<i>, bwd:<i>, step:0
 SMALL_CHILDREN = 12  # host_breakdown: an op instance with at most this many direct children counts as "small"
@@ -302,18 +304,9 @@ def pyspy_sample(run_iteration, sync, a, variant) -> dict:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="/tmp/gap_probe.json")
-    p.add_argument("--setup", default="bf16", choices=["amp", "bf16"])
-    p.add_argument("--shape", default="qwen3-8b")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--rank", type=int, default=384)
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--ga", type=int, default=8)
-    p.add_argument("--loss-tokens", type=int, default=1024)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--variants", default="lora,fastdora")
+    mb.add_probe_args(p, "bf16")
     p.add_argument("--modes", default="cuda,ops")
     p.add_argument("--min-gap-us", type=float, default=2.0)
-    p.add_argument("--old-pkg", default=None, help="variant fastdora_old: the fastdora package in DIR/fastdora")
     p.add_argument("--pyspy", help="after the rounds, sample each variant's iterations with py-spy (Python stacks, "
                    "--pyspy-native: and native ones, of every thread, idle included) into "
                    "PYSPY/pyspy_<variant>.txt.gz; needs py-spy on PATH")
@@ -322,24 +315,13 @@ def main():
     p.add_argument("--pyspy-native", action="store_true",
                    help="native frames too (py-spy pauses the process per sample: session 25's H200 run slowed an "
                         "iteration ~40x, so the samples show where host CPU goes when the host is the only limit)")
-    p.add_argument("--tiny", action="store_true", help="CPU smoke test")
     a = p.parse_args()
     import torch
     import torch.nn.functional as F
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    import model_bench as mb
-
-    dev = torch.device("cpu" if a.tiny else "cuda")
-    if a.tiny:
-        a.shape, a.seq, a.loss_tokens, a.layers, a.rank, a.ga = "tiny", 64, 16, 2, 8, 2
+    dev, runs = mb.probe_runs(a)
     ctx, micro, sync = mb.step_inputs(a, dev)
-    runs = {}
-    for v in a.variants.split(","):
-        model, info = mb.build_in_process(a, dev, v)
-        model.train()
-        opt = torch.optim.SGD([q for q in model.parameters() if q.requires_grad], lr=0.0)
-        runs[v] = (model, opt, info)
 
     marks = []
 

@@ -126,6 +126,38 @@ def build_model(cfg_args, dev):
     return model
 
 
+def add_probe_args(p, setup: str) -> None:
+    """The model-config arguments of the in-process probes (stall_probe, gap_probe): one config, several variants."""
+    p.add_argument("--setup", default=setup, choices=["amp", "bf16"])
+    p.add_argument("--shape", default="qwen3-8b")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--rank", type=int, default=384)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--ga", type=int, default=8)
+    p.add_argument("--loss-tokens", type=int, default=1024)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--variants", default="lora,fastdora")
+    p.add_argument("--old-pkg", default=None, help="variant fastdora_old: the fastdora package in DIR/fastdora")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke test")
+
+
+def probe_runs(a):
+    """(device, {variant: (model in train mode, SGD(lr=0) on its trainable parameters, info)}) for the in-process
+    probes; ``--tiny``: CPU and tiny shapes."""
+    import torch
+
+    dev = torch.device("cpu" if a.tiny else "cuda")
+    if a.tiny:
+        a.shape, a.seq, a.loss_tokens, a.layers, a.rank, a.ga = "tiny", 64, 16, 2, 8, 2
+    runs = {}
+    for v in a.variants.split(","):
+        model, info = build_in_process(a, dev, v)
+        model.train()
+        opt = torch.optim.SGD([q for q in model.parameters() if q.requires_grad], lr=0.0)
+        runs[v] = (model, opt, info)
+    return dev, runs
+
+
 def step_inputs(a, dev):
     """(autocast context factory of the setup, the GA micro-batches of token ids, a device sync) shared by the
     model-level scripts (model_bench, host_probe, stall_probe): same seed, same batches."""

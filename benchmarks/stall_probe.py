@@ -36,6 +36,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import model_bench as mb  # noqa: E402
 from _bench_io import gc_pause_meter  # noqa: E402
 
 CONDITIONS = ("default", "no_mt_bwd", "no_gc", "switch_1ms", "no_step")
@@ -45,36 +46,15 @@ _ALLOC_KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="/tmp/stall_probe.json")
-    p.add_argument("--setup", default="amp", choices=["amp", "bf16"])
-    p.add_argument("--shape", default="qwen3-8b")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--rank", type=int, default=384)
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--ga", type=int, default=8)
-    p.add_argument("--loss-tokens", type=int, default=1024)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--variants", default="lora,fastdora")
+    mb.add_probe_args(p, "amp")
     p.add_argument("--conditions", default=",".join(CONDITIONS))
-    p.add_argument("--old-pkg", default=None, help="variant fastdora_old: the fastdora package in DIR/fastdora")
-    p.add_argument("--tiny", action="store_true", help="CPU smoke test")
     a = p.parse_args()
     import torch
     import torch.nn.functional as F
 
-    import model_bench as mb
-
-    dev = torch.device("cpu" if a.tiny else "cuda")
-    if a.tiny:
-        a.shape, a.seq, a.loss_tokens, a.layers, a.rank, a.ga = "tiny", 64, 16, 2, 8, 2
+    dev, runs = mb.probe_runs(a)
     ctx, micro, sync = mb.step_inputs(a, dev)
     cuda = dev.type == "cuda"
-
-    runs = {}
-    for v in a.variants.split(","):
-        model, info = mb.build_in_process(a, dev, v)
-        model.train()
-        opt = torch.optim.SGD([q for q in model.parameters() if q.requires_grad], lr=0.0)
-        runs[v] = (model, opt, info)
 
     def iteration(v, step=True):
         model, opt, _ = runs[v]
