@@ -4,19 +4,22 @@
 Session 24's nvidia-smi samples put LoRA's timed iterations at ~97% GPU utilisation and fastdora's at ~91-95%, with
 fastdora's kernel time within ~0.6% of LoRA's (session 23): the pure-bf16 tax looks like GPU idle, not GPU work.
 This probe measures the idle directly. LoRA and fastdora (or any of model_bench's variants) are built in ONE process
-and run interleaved; per round and variant: one unprofiled iteration (wall time, the reference) and one profiled
-iteration (8 micro-batches + optimizer step) under ``torch.profiler``, in one of two modes:
+and run interleaved; per round and variant: one unprofiled iteration (wall time, the reference; host ms per phase:
+``fwd0`` / ``bwd0`` the first micro-batch, which recomputes the norms, ``fwd*`` / ``bwd*`` the others, ``step``)
+and one profiled iteration (8 micro-batches + optimizer step) per mode under ``torch.profiler``:
 
   - ``cuda``: kernels and CUDA runtime calls only (the least profiler overhead on the host): how much of the
-    iteration the GPU is idle, in which phase (``fwd<i>`` / ``bwd<i>`` (backward incl. checkpoint recomputation) /
-    ``step``), in gaps of which size, and whether the host was late (the launch that ends a gap was made after the
-    gap began: host-bound) or the GPU waited on something else;
+    iteration the GPU is idle, in which phase (``bwd`` includes the checkpoint recomputation), in gaps of which
+    size, and whether the host was late (the launch that ends a gap was made after the gap began: host-bound) or
+    the GPU waited on something else;
   - ``ops``: also the CPU ops (more host overhead, so more gaps): each host-late gap charged to the innermost CPU
-    op (or ``record_function`` range, e.g. fastdora's) around the launch that ended it.
+    op (or ``record_function`` range) around the launch that ended it, and the host's own time by thread (the
+    main one / the autograd engine's device thread), phase group and op (``host_breakdown``).
 
 Per (variant, mode): medians over rounds of wall, kernel time, idle time, idle by phase / gap size / cause, the
 synchronising or allocating runtime calls (``cudaStreamSynchronize``, ``cudaMemcpy*``, ``cudaMalloc``, ``cudaFree``,
-...: count and host time), and the top idle-causing ops.
+...: count and host time), the top idle-causing ops and the host breakdown. ``--pyspy DIR``: afterwards each
+variant's iterations sampled by py-spy (``fold_stacks``). Session 25's runs: benchmarks/README.md.
 
   python benchmarks/gap_probe.py --out DIR/gap_bf16.json --setup bf16 [--rounds 3] [--modes cuda,ops]
   python benchmarks/gap_probe.py --tiny --out /tmp/gap.json                   # CPU smoke test (no CUDA events)
