@@ -61,6 +61,11 @@ def _phase_key(name, idx):
     return name + ("" if name == "step" else "0" if idx == "0" else "*")
 
 
+def _phase_at(phases, ts) -> str:
+    """The key of the phase range holding host time ``ts`` ("outside" if none)."""
+    return next((key for s, t, key in phases if s <= ts <= t), "outside")
+
+
 def analyse(trace: dict, min_gap_us: float = 2.0, top: int = 15, marks=None) -> dict:
     """GPU idle of one profiled iteration from a chrome trace (torch.profiler's export_chrome_trace).
 
@@ -102,9 +107,6 @@ def analyse(trace: dict, min_gap_us: float = 2.0, top: int = 15, marks=None) -> 
         lst.sort()
     starts = {tid: [o[0] for o in lst] for tid, lst in ops.items()}
 
-    def phase_of(ts):
-        return next((key for s, t, key in phases if s <= ts <= t), "outside")
-
     def op_of(ts, tid):
         """The innermost (latest-starting) CPU op of the launching thread whose range holds ts."""
         lst = ops.get(tid, [])
@@ -132,7 +134,7 @@ def analyse(trace: dict, min_gap_us: float = 2.0, top: int = 15, marks=None) -> 
             corr = (e.get("args") or {}).get("correlation")
             lts, ltid = launch.get(corr, (None, None))
             late = lts is not None and lts > busy_end
-            ph = phase_of(lts) if lts is not None else "unknown"
+            ph = _phase_at(phases, lts) if lts is not None else "unknown"
             cause = "host_late" if late else "gpu_wait"
             by_phase[f"{ph}/{cause}"] += gap
             by_bin[_bin(gap)] += gap
@@ -179,11 +181,8 @@ def host_breakdown(ev, phases, top: int = 40) -> dict:
                 and "dur" in e and e.get("name", "").partition(":")[0] not in PHASE_NAMES:
             spans[e.get("tid")].append((e["ts"], -e["dur"], e["name"], e.get("cat")))
 
-    def group(ts):
-        for s0, s1, key in phases:
-            if s0 <= ts <= s1:
-                return key.rstrip("0*")
-        return "outside"
+    def group(ts):  # fwd / bwd / step / outside
+        return _phase_at(phases, ts).rstrip("0*")
 
     top_ms = collections.Counter()
     self_ms = collections.defaultdict(collections.Counter)
