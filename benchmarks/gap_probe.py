@@ -61,6 +61,14 @@ def _phase_key(name, idx):
     return name + ("" if name == "step" else "0" if idx == "0" else "*")
 
 
+def _median_tree(trees: list):
+    """Per leaf of nested dicts of numbers, the median over ``trees`` (a leaf missing or None in one counts as 0)."""
+    if any(isinstance(t, dict) for t in trees):
+        keys = sorted({k for t in trees if isinstance(t, dict) for k in t}, key=str)
+        return {k: _median_tree([t.get(k) if isinstance(t, dict) else None for t in trees]) for k in keys}
+    return statistics.median(t or 0.0 for t in trees) if trees else None
+
+
 def _phase_at(phases, ts) -> str:
     """The key of the phase range holding host time ``ts`` ("outside" if none)."""
     return next((key for s, t, key in phases if s <= ts <= t), "outside")
@@ -414,42 +422,15 @@ def main():
             print(f"py-spy {v}: {spy[v]['iterations']} iterations, {spy[v]['iter_ms']:.0f} ms each, per thread "
                   f"{json.dumps(spy[v]['per_iter_ms_by_thread'])}", flush=True)
 
-    def med(rs, path):
-        vals = []
-        for r in rs:
-            x = r
-            for key in path:
-                x = x.get(key, 0.0) if isinstance(x, dict) else 0.0
-            vals.append(x or 0.0)
-        return statistics.median(vals) if vals else None
-
-    summary = {}
-    for v in runs:
-        rs = [r for r in rows if r["variant"] == v]
-        s = {"wall_ms": med(rs, ["wall_ms"])}
-        for m in modes:
-            keys = set()
-            for r in rs:
-                for grp in ("idle_ms_by_phase", "idle_ms_by_cause", "idle_ms_by_size", "host_late_ms_by_op",
-                            "host_top_level_ms", "host_self_ms", "host_calls", "host_self_small_ms",
-                            "host_calls_small"):
-                    keys |= {(grp, k2) for k2 in r[m].get(grp, {})}
-            s[m] = {k2: med(rs, [m, k2]) for k2 in ("wall_ms", "window_ms", "gpu_event_ms", "idle_ms", "launches")}
-            for grp, k2 in sorted(keys):
-                s[m].setdefault(grp, {})[k2] = med(rs, [m, grp, k2])
-            calls = set()
-            for r in rs:
-                calls |= set(r[m].get("runtime_calls", {}))
-            s[m]["runtime_calls"] = {c: {"count": med(rs, [m, "runtime_calls", c, "count"]),
-                                         "host_ms": med(rs, [m, "runtime_calls", c, "host_ms"])} for c in sorted(calls)}
-        s["host_phase_ms"] = {k2: med(rs, ["host_phase_ms", k2]) for k2 in rs[0]["host_phase_ms"]}
-        summary[v] = s
+    summary = {v: _median_tree([{k: r[k] for k in ("wall_ms", "host_phase_ms", *modes)}
+                                for r in rows if r["variant"] == v]) for v in runs}
     for v, s in summary.items():
         print(f"== {v}: unprofiled wall {s['wall_ms']:.1f} ms, host per phase "
               f"{json.dumps({k2: round(x, 1) for k2, x in s['host_phase_ms'].items()})}", flush=True)
         for m in modes:
             sm = s[m]
-            print(f"   [{m}] wall {sm['wall_ms']:.1f}  gpu events {sm['gpu_event_ms']:.1f}  idle {sm['idle_ms']:.1f} ms"
+            print(f"   [{m}] wall {sm['wall_ms']:.1f}  gpu events {sm.get('gpu_event_ms', 0.0):.1f}  "
+                  f"idle {sm.get('idle_ms', 0.0):.1f} ms"
                   f"  by cause {json.dumps(sm.get('idle_ms_by_cause', {}))}", flush=True)
             print(f"        by phase {json.dumps(sm.get('idle_ms_by_phase', {}))}", flush=True)
             print(f"        by size {json.dumps(sm.get('idle_ms_by_size', {}))}", flush=True)
@@ -458,7 +439,7 @@ def main():
             if sm.get("host_late_ms_by_op"):
                 top = sorted(sm["host_late_ms_by_op"].items(), key=lambda t: -t[1])[:8]
                 print(f"        host-late by op {json.dumps(dict(top))}", flush=True)
-            print(f"        runtime {json.dumps(sm['runtime_calls'])}", flush=True)
+            print(f"        runtime {json.dumps(sm.get('runtime_calls', {}))}", flush=True)
     meta = {"setup": a.setup, "shape": a.shape, "layers": a.layers, "rank": a.rank, "seq": a.seq, "ga": a.ga,
             "min_gap_us": a.min_gap_us, "torch": torch.__version__, "cmd": " ".join(sys.argv),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

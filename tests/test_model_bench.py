@@ -249,6 +249,19 @@ def test_gap_probe_attributes_idle_time():
     assert r2["host_late_ms_by_op"] == pytest.approx({"(no op)": 2.38})  # fastdora::norm was a range: gone
 
 
+def test_gap_probe_median_tree():
+    """The probe's summary: per leaf of the rows' nested results the median over rows, missing leaves as 0."""
+    sys.path.insert(0, BENCH)
+    try:
+        import gap_probe
+    finally:
+        sys.path.remove(BENCH)
+    rows = [{"wall_ms": 3.0, "ops": {"idle": {"a": 1.0, "b": 5.0}, "n": 4}},
+            {"wall_ms": 1.0, "ops": {"idle": {"a": 3.0}, "n": 6}},
+            {"wall_ms": 2.0, "ops": {"idle": {"a": 2.0, "b": None}, "n": 5}}]
+    assert gap_probe._median_tree(rows) == {"wall_ms": 2.0, "ops": {"idle": {"a": 2.0, "b": 0.0}, "n": 5}}
+
+
 def test_gap_probe_tiny_run(tmp_path):
     """The probe runs end to end on the CPU (no GPU events there: the analysis is the test above)."""
     out = tmp_path / "gap.json"
