@@ -10,6 +10,8 @@ Environment variables (all optional):
 - ``FASTDORA_NATIVE``            the composition's C++ autograd node (``fastdora.kernels.native``): ``auto`` (default:
                                   built and used on CUDA where a C++ compiler is found, the Python node otherwise),
                                   ``1`` (required: an error if it cannot be built), ``0`` (never).
+- ``FASTDORA_NATIVE_LAUNCH``     ``1`` (default): the C++ node launches its kernels directly (cuLaunchKernel); ``0``:
+                                  through Triton's own launcher (same kernels and arguments, more host time).
 - ``FASTDORA_CACHE_DIR``         where the C++ node is built and cached (default ``$XDG_CACHE_HOME/fastdora`` or
                                   ``~/.cache/fastdora``); ``CXX``: the C++ compiler (default ``c++``).
 """
@@ -20,7 +22,8 @@ import dataclasses
 import os
 from typing import Any
 
-__all__ = ["Options", "make_options", "killed", "env_default", "native_mode", "native_build_env"]
+__all__ = ["Options", "make_options", "killed", "env_default", "native_mode", "native_launch",
+           "native_build_env"]
 
 _KERNELS = ("auto", "triton", "eager")
 
@@ -52,6 +55,11 @@ def native_mode() -> str:
     if raw != "auto":
         raise ValueError(f"fastdora: environment variable FASTDORA_NATIVE={raw!r} is invalid; use auto, 1 or 0")
     return raw
+
+
+def native_launch() -> bool:
+    """``FASTDORA_NATIVE_LAUNCH`` (default on): the C++ node's direct kernel launches."""
+    return _env_bool("FASTDORA_NATIVE_LAUNCH", True)
 
 
 def native_build_env() -> tuple[str, str]:

@@ -274,6 +274,26 @@ def test_gap_probe_tiny_run(tmp_path):
     assert all(r["cuda"]["gpu_events"] == 0 and r["ops"]["wall_ms"] > 0 for r in doc["rows"])
 
 
+def test_gpu_host_probe_cpu_run(tmp_path):
+    """gpu_host_probe.py end to end on the CPU (the eager path; the GPU variants need CUDA): every setup x mode has
+    per-variant microseconds per layer for LoRA and fastdora, and the cProfile tables of the profiled modes name
+    fastdora's lean forward for fastdora and not for LoRA."""
+    out = tmp_path / "ghp.json"
+    subprocess.run([sys.executable, os.path.join(BENCH, "gpu_host_probe.py"), "--device", "cpu", "--d", "16",
+                    "--tokens", "2", "--rank", "4", "--layers", "2", "--rounds", "2", "--iters", "2", "--warmup", "1",
+                    "--cprofile", "2", "--out", str(out)], check=True, cwd=REPO, capture_output=True, timeout=600)
+    doc = json.loads(out.read_text())
+    assert set(doc["results"]) == {f"{s}/{m}" for s in ("bf16", "amp") for m in ("train", "ckpt", "fwd")}
+    for key, res in doc["results"].items():
+        assert set(res["us_per_layer"]) == {"lora", "fastdora"} and min(res["us_per_layer"].values()) > 0, key
+        assert all(len(r) == 2 for r in res["rounds"].values()), key
+        if key.endswith(("/fwd", "/ckpt")):
+            fns = {v: " ".join(r["fn"] for r in rows) for v, rows in res["cprofile"].items()}
+            assert "lean_linear_forward" in fns["fastdora"] and "lean_linear_forward" not in fns["lora"], key
+        else:
+            assert "cprofile" not in res, key
+
+
 def test_gap_probe_folds_pyspy_stacks():
     """gap_probe.fold_stacks on hand-written py-spy raw lines: per thread, waits (a sync / futex / the GIL near the
     leaf) vs CPU, inclusive counts once per stack, self counts by leaf, main-thread stacks outside the loop left out."""

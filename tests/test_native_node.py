@@ -142,6 +142,180 @@ if not _INNER:
             native.clear_templates()
             native.NODE = saved_node
 
+    def test_native_launch_env(monkeypatch):
+        for raw, want in (("", True), ("1", True), ("0", False), ("off", False)):
+            monkeypatch.setenv("FASTDORA_NATIVE_LAUNCH", raw)
+            assert _config.native_launch() is want
+        monkeypatch.setenv("FASTDORA_NATIVE_LAUNCH", "maybe")
+        with pytest.raises(ValueError, match="FASTDORA_NATIVE_LAUNCH"):
+            _config.native_launch()
+
+    _TRITON_PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int32: "*i32"}
+
+    class _Meta:
+        def __init__(self, **kw):
+            self.__dict__.update(kw)
+
+    class _FakeSignedCompiled(_FakeCompiled):
+        """A fake ``CompiledKernel`` with what the direct launch reads: the source's signature as Triton 3.3+ writes
+        it (constexprs, and ints equal to 1, as ``"constexpr"`` with their value in ``constants``), the function
+        handle and the launch metadata."""
+
+        def __init__(self, fn, tensors, ints, floats, consts, num_warps, handle):
+            super().__init__()
+            names = list(fn.arg_names)
+            kinds = ([_TRITON_PTR[t.dtype] for t in tensors] + ["constexpr" if i == 1 else "i32" for i in ints]
+                     + ["fp32"] * len(floats) + ["constexpr"] * len(consts))
+            assert len(kinds) == len(names), (len(kinds), names)
+            values = list(tensors) + list(ints) + list(floats) + list(consts)
+            sig = dict(zip(names, kinds))
+            self.src = _Meta(fn=fn, signature=sig,
+                             constants={(i,): v for i, (k, v) in enumerate(zip(kinds, values)) if k == "constexpr"})
+            self.metadata = _Meta(num_warps=num_warps, num_ctas=1, shared=1000 + num_warps, global_scratch_size=0,
+                                  profile_scratch_size=0, launch_cooperative_grid=False, launch_pdl=False)
+            self.function = handle
+
+    def _expected_params(sig_types, call_args, label):
+        """Triton's CUDA launcher's parameter array for one ``CompiledKernel.run`` call, written out here from its
+        generated C (backends/nvidia/driver.py): each non-constexpr signature entry in order -- a pointer's device
+        address, an int as int32, a float rounded to fp32 -- then the global and profile scratch pointers (null)."""
+        import struct
+        out = []
+        for ty, v in zip(sig_types, call_args[9:]):
+            if ty == "constexpr":
+                continue
+            if ty.startswith("*"):
+                out.append(("ptr", label(v)))
+            elif ty == "i32":
+                out.append(("bytes", struct.pack("<i", v) + b"\0" * 4))
+            else:
+                out.append(("bytes", struct.pack("<f", v) + b"\0" * 4))
+        return out + [("bytes", b"\0" * 8)] * 2
+
+    def test_direct_launch_parameter_layout(cache_dir, monkeypatch):
+        """The C++ node's direct launches (cuLaunchKernel; recorded here instead of made) pass exactly the
+        parameters Triton's launcher would get from the Python launcher for the same call (``_expected_params``,
+        from the recorded ``run`` arguments), with its function, grid, block (32 * warps) and shared memory; an int
+        argument equal to 1 (a constexpr to Triton) is left out; ``set_native_launch(False)`` goes through Triton's
+        launcher again."""
+        import struct
+        pytest.importorskip("triton")
+        monkeypatch.setenv("FASTDORA_CACHE_DIR", cache_dir)
+        monkeypatch.setenv("FASTDORA_NATIVE", "1")
+        from fastdora.kernels import _launch
+        from fastdora.kernels import compose as kc
+        from fastdora.kernels import native
+
+        if not (kc._FWD.fast and kc._BWD.fast):
+            pytest.skip("this Triton has no direct launch path")
+        compiled = []
+
+        def fake_jit(self, grid, tensors, ints, floats, consts, num_warps, *rest, **kw):
+            c = _FakeSignedCompiled(self.fn, tensors, ints, floats, consts, num_warps, 0xF000 + len(compiled))
+            compiled.append(c)
+            return c
+
+        monkeypatch.setattr(_launch.Launcher, "_jit", fake_jit)
+        monkeypatch.setattr(_launch, "_raw_stream", lambda idx: 1234)
+        for launcher in (kc._FWD, kc._BWD):
+            monkeypatch.setattr(launcher, "cache", {})
+        saved_node = native.NODE
+        mod = native._state["module"] or native.node(required=True)  # (another test may have unset NODE)
+        native.NODE = mod
+        mod.testing_host_templates(True)
+        records: list = []
+        try:
+            for dname, shape in (("fp32", (24, 48)), ("mixed", (1, 32)), ("bf16", (24, 48))):
+                for bias in (False, True):
+                    rdt, ldt = DTYPES[dname]
+                    prob = _problem(shape, rdt, ldt, bias, "cpu", seed=5)
+                    known = {t.data_ptr(): name for name, t in zip(("result", "lora", "mag", "norm", "bias", "dy"),
+                                                                    prob) if t is not None}
+                    _run(kc, native, True, prob, rdt)  # the first call registers this key's templates
+                    for c in compiled:
+                        c.calls.clear()
+                    _run(kc, native, False, prob, rdt)  # the Python node: Triton launcher calls to compare with
+                    for c in kc._COUNTERS.values():
+                        known[c.data_ptr()] = "counters"
+                    label = lambda v: known.get(v, "fresh")  # noqa: E731
+                    py = [(c, call) for c in compiled for call in c.calls]
+                    assert len(py) == 2
+                    mod.testing_record_native(records)
+                    records.clear()
+                    before = mod.stats()
+                    _run(kc, native, True, prob, rdt)
+                    mod.testing_record_native(None)
+                    after = mod.stats()
+                    assert after["native"] == before["native"] + 2 and after["fast"] == before["fast"] + 2
+                    assert len(records) == 2
+                    for (c, call), rec in zip(sorted(py, key=lambda x: x[0].function), sorted(records)):
+                        function, grid, block, shared, stream, params = rec
+                        what = f"{dname} bias={bias} fn={hex(function)}"
+                        assert function == c.function and grid == tuple(call[:3]), what
+                        assert block == 32 * c.metadata.num_warps and shared == c.metadata.shared, what
+                        assert stream == 0, what  # CPU tensors: no stream
+                        want = _expected_params(list(c.src.signature.values()), call, label)
+                        got = [params[i:i + 8] for i in range(0, len(params), 8)]
+                        assert len(got) == len(want), (what, len(got), len(want))
+                        for k, ((kind, w), g) in enumerate(zip(want, got)):
+                            if kind == "ptr":
+                                assert label(struct.unpack("<Q", g)[0]) == w, f"{what} param {k}"
+                            else:
+                                assert g == w, f"{what} param {k}: {g.hex()} vs {w.hex()}"
+                    if shape[0] == 1:  # M == 1: a constexpr to Triton, left out of the parameters
+                        assert any("constexpr" == t for c, _ in py for t in list(c.src.signature.values())[8:9])
+            # switched off: the same templates go through Triton's launcher (the fake's run) again
+            mod.set_native_launch(False)
+            for c in compiled:
+                c.calls.clear()
+            before = mod.stats()
+            _run(kc, native, True, prob, rdt)
+            assert mod.stats()["native"] == before["native"] and mod.stats()["fast"] == before["fast"] + 2
+            assert sum(len(c.calls) for c in compiled) == 2
+        finally:
+            mod.set_native_launch(True)
+            mod.testing_record_native(None)
+            mod.testing_host_templates(False)
+            native.clear_templates()
+            native.NODE = saved_node
+
+    def test_native_layout_refusals():
+        """``_native_layout`` derives a layout only for Triton's launcher's plain path; anything else (clusters,
+        cooperative / PDL launches, scratch memory, tensor descriptors, instrumentation, tuple or unknown argument
+        types, a specialised non-constexpr entry, a signature of another length) keeps Triton's launcher."""
+        from types import SimpleNamespace as NS
+
+        from fastdora.kernels import native
+
+        fn = NS(arg_names=["p", "n", "s", "B"])
+
+        def make(sig=None, constants=None, **md):
+            meta = dict(num_warps=4, num_ctas=1, shared=0, global_scratch_size=0, profile_scratch_size=0)
+            meta.update(md)
+            return NS(function=7, metadata=NS(**meta),
+                      src=NS(fn=fn, signature=sig or {"p": "*bf16", "n": "i32", "s": "fp32", "B": "constexpr"},
+                             constants={(3,): 64} if constants is None else constants))
+
+        roles, values = (native.ROLES_FWD.index("result"), native.COPY, native.SCALE, native.COPY), (0, 7, 0.5, 64)
+        ok = native._native_layout(make(), (3, 2, 1), values, roles)
+        assert ok == (7, (3, 2, 1), 128, 0, (0, native.COPY, native.SCALE, native.COPY, native.COPY), b"pifpp",
+                      (0, 7, 0, 0, 0))
+        assert native._native_layout(make(sig={"p": "*bf16", "n": "i64", "s": "fp64", "B": "constexpr"}), (1, 1, 1),
+                                     (0, -2, 0.5, 64), roles)[5:] == (b"pidpp", (0, 2**64 - 2, 0, 0, 0))
+        no_profile = make()
+        del no_profile.metadata.profile_scratch_size  # an older Triton: one scratch pointer
+        assert native._native_layout(no_profile, (1, 1, 1), values, roles)[5] == b"pifp"
+        for bad in (make(num_ctas=2), make(launch_pdl=True), make(launch_cooperative_grid=True),
+                    make(global_scratch_size=16), make(profile_scratch_size=8), make(tensordesc_meta=[{}]),
+                    make(instrumentation_mode="gsan"),
+                    make(sig={"p": "*bf16", "n": ("i32", "i32"), "s": "fp32", "B": "constexpr"}),
+                    make(sig={"p": "*bf16", "n": "bf16x", "s": "fp32", "B": "constexpr"}),
+                    make(constants={(3,): 64, (1,): 7}), make(sig={"p": "*bf16", "n": "i32", "s": "fp32"})):
+            assert native._native_layout(bad, (1, 1, 1), values, roles) is None
+        assert native._native_layout(make(), (1, 1, 1), values, (native.COPY,) + roles[1:]) is None  # a bare pointer
+        assert native._native_layout(make(), (1, 1, 1), values, roles[:2] + (native.COPY,) * 0 + (0,) + roles[3:]) \
+            is None  # a tensor role on a float
+
     @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only report")
     def test_enable_report_names_the_node_cpu():
         import fastdora
@@ -231,6 +405,15 @@ DTYPES = {
 }
 
 
+def _assert_template_launches(native, before, device, what, n=2):
+    """The last call's ``n`` launches went through templates; on a GPU, directly (cuLaunchKernel)."""
+    after = native.NODE.stats()
+    assert after["fast"] == before["fast"] + n, what + ": the templates were not used"
+    if device == "cuda":
+        assert after["direct"], "the direct launch is not active: " + native.launch_status()
+        assert after["native"] == before["native"] + n, what + ": the templates were not launched directly"
+
+
 def _ab_cases(kc, native, device, shapes):
     """Every dtype x bias x shape: the first call (Python fallback, registers templates) and the second (templates)
     through the C++ node, both bitwise equal to the Python node; the second call must have used the templates."""
@@ -240,12 +423,12 @@ def _ab_cases(kc, native, device, shapes):
                 prob = _problem(shape, rdt, ldt, bias, device)
                 ref = _run(kc, native, False, prob, rdt)
                 first = _run(kc, native, True, prob, rdt)
-                before = native.NODE.stats()["fast"]
+                before = native.NODE.stats()
                 second = _run(kc, native, True, prob, rdt)
                 what = f"{dname} bias={bias} shape={shape}"
                 _assert_bitwise(first, ref, what + " (first call)")
                 _assert_bitwise(second, ref, what + " (templates)")
-                assert native.NODE.stats()["fast"] == before + 2, what + ": the templates were not used"
+                _assert_template_launches(native, before, device, what)
 
 
 def _problem_b(shape, rdt, hdt, mdt, r, bias, seed=1, device="cpu"):
@@ -309,13 +492,13 @@ def _ab_cases_b(kc, native, device, dname, shapes):
             prob = _problem_b(shape, rdt, hdt, mdt, r, bias, device=device)
             ref = _run_b(kc, native, False, prob, rdt, autocast=autocast)
             first = _run_b(kc, native, True, prob, rdt, autocast=autocast)
-            before = native.NODE.stats()["fast"]
+            before = native.NODE.stats()
             second = _run_b(kc, native, True, prob, rdt, autocast=autocast)
             what = f"{dname} bias={bias} shape={shape}"
             _assert_bitwise(first, ref, what + " (first call)")
             _assert_bitwise(second, ref, what + " (again)")
             if dname != "fp64":  # fp64: the eager path through the Python launchers, no template
-                assert native.NODE.stats()["fast"] == before + 2, what + ": the templates were not used"
+                _assert_template_launches(native, before, device, what)
     prob = _problem_b((6, 24), rdt, hdt, mdt, 4, False, seed=2, device=device)  # out_dtype None: promoted
     _assert_bitwise(_run_b(kc, native, True, prob, None, autocast=autocast),
                     _run_b(kc, native, False, prob, None, autocast=autocast), dname + " out_dtype=None")
@@ -326,7 +509,6 @@ def _ab_cases_b(kc, native, device, dname, shapes):
 if _INNER:
     from fastdora.kernels import compose as kc
     from fastdora.kernels import native
-    from fastdora.ops import compose as oc
 
     @pytest.fixture(scope="module", autouse=True)
     def _node():
@@ -550,8 +732,7 @@ if _INNER:
     def test_placeholder_reaching_backward_raises():
         prob = _problem((6, 16), torch.float32, torch.float32, False, "cpu")
         result, lora, mag = [t.detach().clone().requires_grad_() for t in prob[:3]]
-        ph = oc._inner_placeholder(result, lora)
-        y = native.NODE.compose(result, lora, mag, prob[3], None, 0.5, 1e-6, torch.float32, ph)
+        y = native.NODE.compose(result, lora, mag, prob[3], None, 0.5, 1e-6, torch.float32, True)  # discard
         with pytest.raises(RuntimeError, match="discarded by gradient checkpointing"):
             y.backward(prob[5])
 
@@ -688,7 +869,7 @@ def test_gpu_peft_model_checkpointed(gpu_node, setup, fuse):
         pm = build()
         saved = native.NODE
         native.NODE = saved if use_node else None
-        fast = saved.stats()["fast"]
+        fast, native_before = saved.stats()["fast"], saved.stats()["native"]
         try:
             for _ in range(2):  # the second step: norms cached, templates registered
                 with torch.autocast("cuda", dtype=torch.bfloat16, enabled=setup == "amp"):
@@ -698,7 +879,51 @@ def test_gpu_peft_model_checkpointed(gpu_node, setup, fuse):
             native.NODE = saved
         if use_node:
             assert saved.stats()["fast"] > fast, "the C++ node's templates were never used"
+            assert saved.stats()["native"] > native_before, "the C++ node never launched directly"
         outs.append([loss.detach()] + [p.grad for p in pm.parameters() if p.requires_grad])
         torch.cuda.synchronize()
     _assert_bitwise(outs[1], outs[0], setup + ": C++ node vs Python node")
     _assert_bitwise(outs[2], outs[0], setup + ": C++ node again")
+
+
+@pytest.mark.gpu
+def test_gpu_graph_capture_through_the_node(gpu_node):
+    """A CUDA graph captured over the node's forward and backward (templates registered before): the forward
+    launches directly inside the capture, the backward sees the capture (the driver's cuStreamIsCapturing) and takes
+    the Python launcher's two-kernel reduction; the replayed outputs and gradients equal the eager Python node's
+    (bitwise; the magnitude gradient's sum order differs between the fused and the two-kernel reduction: 1e-5)."""
+    kc, native = gpu_node
+    rdt = torch.bfloat16
+    prob = _problem((64, 96), rdt, rdt, False, "cuda", seed=3)
+    ref = _run(kc, native, False, prob, rdt)
+    _run(kc, native, True, prob, rdt)  # registers the templates
+    result, lora, mag, norm, _, dy = [t.detach().clone() if t is not None else None for t in prob]
+    for t in (result, lora, mag):
+        t.requires_grad_(True)
+
+    def step():
+        y = kc.TRITON.apply(result, lora, mag, norm, None, None, 0.73, 1e-6, rdt)
+        y.backward(dy)
+        return y
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+            for t in (result, lora, mag):
+                t.grad = None
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    before = native.NODE.stats()
+    with torch.cuda.graph(graph):
+        y = step()
+    during = native.NODE.stats()
+    assert during["native"] == before["native"] + 1, "the forward did not launch directly in the capture"
+    assert during["slow"] == before["slow"] + 1, "the backward did not leave the templates during the capture"
+    for _ in range(2):
+        graph.replay()
+    torch.cuda.synchronize()
+    got = [y.detach(), result.grad, lora.grad, mag.grad]
+    _assert_bitwise(got[:3], ref[:3], "graph replay")
+    torch.testing.assert_close(got[3], ref[3], rtol=1e-5, atol=1e-6)

@@ -708,10 +708,10 @@ if AVAILABLE:
             return y
         node = _native.NODE if _native.NODE is not None else _native.first_node(result)
         if node is not None and base_delta is None and not _TRANSFORMS_ACTIVE():
-            # the C++ autograd node (fastdora.kernels.native); bias: never trainable here (dispatch sends that eager)
-            placeholder = (_ops._inner_placeholder(result, lora)
-                           if magnitude.requires_grad and _ops.saves_discarded() else None)
-            return node.compose(result, lora, magnitude, norm, bias, float(scale), float(eps), out_dtype, placeholder)
+            # the C++ autograd node (fastdora.kernels.native); bias: never trainable here (dispatch sends that eager).
+            # discard: it saves a placeholder for inner (made in C++), as the Python node (_forward_into_ctx)
+            discard = magnitude.requires_grad and _ops.saves_discarded()
+            return node.compose(result, lora, magnitude, norm, bias, float(scale), float(eps), out_dtype, discard)
         return _apply_function(result, lora, magnitude, norm, bias, base_delta, scale, eps, out_dtype, feature_dim)
 
     def _apply_lora_b(result, h, lora_b, magnitude, norm, bias, scale, eps, out_dtype):

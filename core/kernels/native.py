@@ -12,6 +12,12 @@ launchers, called from the node. Outputs and gradients are bitwise those of the 
 configs; tests/test_native_node.py, tests/test_gpu_layers.py). ``compose_b`` is the same node with ``lora_B``'s
 product inside (``fuse_lora_b``): it replaces ``fastdora.ops.compose._DoraComposeLoraB``, bitwise.
 
+Where the layout of a template's kernel parameters is known (``_native_layout``: Triton's ``CompiledKernel`` signature
+minus its constexprs, then the global and profile scratch pointers), the template also carries it and the node
+launches the kernel itself with the CUDA driver's ``cuLaunchKernel`` (same function, grid, block, shared memory and
+parameter bytes as Triton's launcher), without calling into Python per launch; ``FASTDORA_NATIVE_LAUNCH=0`` keeps
+the Triton launcher. ``launch_status()`` says which one runs.
+
 The extension is compiled on first use with the C++ compiler against the installed torch's headers (no CUDA
 toolkit needed: it launches through Triton's launcher) and cached in ``FASTDORA_CACHE_DIR`` per source / torch /
 Python; ``FASTDORA_NATIVE`` (``auto`` | ``1`` | ``0``, read in ``fastdora.config``) decides whether it is used.
@@ -26,6 +32,7 @@ import importlib.machinery
 import importlib.util
 import operator
 import os
+import struct
 import subprocess
 import sys
 import sysconfig
@@ -38,7 +45,7 @@ import torch
 
 from .. import config as _config
 
-__all__ = ["node", "first_node", "status", "clear_templates", "register_fwd", "register_bwd", "ROLES_FWD",
+__all__ = ["node", "first_node", "status", "launch_status", "clear_templates", "register_fwd", "register_bwd", "ROLES_FWD",
            "ROLES_BWD"]
 
 _MODULE = "fastdora_compose_node"
@@ -50,7 +57,8 @@ ROLES_BWD = ("dy", "inner", "magnitude", "norm", "d_result", "d_lora", "part_dm"
 STREAM, SCALE, EPS, COPY = 30, 31, 32, -1
 
 _lock = threading.Lock()
-_state: dict = {"module": None, "tried": False, "reason": "not requested yet (first CUDA training composition)"}
+_state: dict = {"module": None, "tried": False, "reason": "not requested yet (first CUDA training composition)",
+                "launch": "no node"}
 # the active C++ module once loaded and configured (module global: one lookup on the hot path); None otherwise
 NODE = None
 
@@ -58,6 +66,12 @@ NODE = None
 def status() -> str:
     """``"active"`` or why the C++ node is not used."""
     return "active" if NODE is not None else str(_state["reason"])
+
+
+def launch_status() -> str:
+    """How the active node launches its templates: ``"direct"`` (cuLaunchKernel from C++) or why through Triton's
+    launcher."""
+    return str(_state["launch"])
 
 
 def _build_key(src: bytes) -> str:
@@ -131,6 +145,15 @@ def _configure(mod) -> None:
                                       lora_b, lora_dtype, need_dh, need_db)
 
     mod.configure(slow_fwd, slow_bwd, _launch.capturing, _launch.hooks_active, kc._counters, lora_b_coefs)
+    direct = _config.native_launch()
+    mod.set_native_launch(direct)
+    if not direct:
+        _state["launch"] = "Triton's launcher (FASTDORA_NATIVE_LAUNCH=0)"
+    elif not torch.cuda.is_available():
+        _state["launch"] = "Triton's launcher (no CUDA device)"
+    else:
+        why = mod.load_driver()
+        _state["launch"] = "direct" if why is None else f"Triton's launcher ({why})"
 
 
 def node(required: Optional[bool] = None):
@@ -193,7 +216,8 @@ def reset() -> None:
     with _lock:
         clear_templates()
         NODE = None
-        _state.update(module=None, tried=False, reason="not requested yet (first CUDA training composition)")
+        _state.update(module=None, tried=False, reason="not requested yet (first CUDA training composition)",
+                      launch="no node")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -220,10 +244,81 @@ def _roles(tensors, named, base) -> Optional[tuple]:
     return tuple(out)
 
 
+# Triton signature type -> (direct-launch type code, struct format of a constant's bytes); pointers: "p"
+_PARAM_TYPES = {"i1": ("i", "<b"), "i8": ("i", "<b"), "i16": ("i", "<h"), "i32": ("i", "<i"), "i64": ("i", "<q"),
+                "u1": ("i", "<B"), "u8": ("i", "<B"), "u16": ("i", "<H"), "u32": ("i", "<I"), "u64": ("i", "<Q"),
+                "fp32": ("f", "<f"), "f32": ("f", "<f"), "fp64": ("d", "<d")}
+
+
+def _param_bytes(fmt: str, value) -> int:
+    """A constant parameter's bytes as Triton's launcher stores them, zero-padded to 8, as a little-endian int."""
+    return int.from_bytes(struct.pack(fmt, value).ljust(8, b"\0"), "little")
+
+
+def _native_layout(compiled, grid, values, roles) -> Optional[tuple]:
+    """The direct launch of ``compiled`` for a launch with the kernel's declared arguments ``values`` (their roles:
+    ``roles``): ``(function, grid, block, shared, param roles, param types, param constants)`` with the parameters
+    Triton's CUDA launcher passes (its signature's non-constexpr entries in order, then a null global-scratch and a
+    null profile-scratch pointer where the metadata has those sizes, as torch's StaticallyLaunchedCudaKernel reads
+    them); None where this launch needs more than that launcher's plain path (clusters, cooperative / PDL launches,
+    scratch memory, tensor descriptors, tuples, other types) or the layout cannot be derived."""
+    md = getattr(compiled, "metadata", None)
+    src = getattr(compiled, "src", None)
+    sig = getattr(src, "signature", None)
+    fn = getattr(src, "fn", None)
+    if md is None or not isinstance(sig, dict) or len(sig) != len(values) or fn is None:
+        return None
+    if (getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_cooperative_grid", False)
+            or getattr(md, "launch_pdl", False) or getattr(md, "global_scratch_size", 0)
+            or getattr(md, "profile_scratch_size", 0) or getattr(md, "tensordesc_meta", None)
+            or getattr(md, "instrumentation_mode", "")):  # instrumentation (e.g. gsan) adds parameters
+        return None
+    names = list(getattr(fn, "arg_names", ()))
+    const_idx = set()
+    for k in getattr(src, "constants", {}) or {}:
+        if isinstance(k, str):
+            if k not in names:
+                return None
+            const_idx.add(names.index(k))
+        elif isinstance(k, tuple) and len(k) == 1:
+            const_idx.add(k[0])
+        else:
+            return None  # a constant inside a tuple argument
+    p_roles, p_types, p_consts = [], [], []
+    for i, (ty, value, role) in enumerate(zip(sig.values(), values, roles)):
+        if ty == "constexpr":
+            continue
+        if i in const_idx or not isinstance(ty, str):
+            return None  # a specialised non-constexpr entry, or a tuple: not the plain layout
+        if ty.startswith("*"):
+            if role == COPY:
+                return None
+            p_roles.append(role), p_types.append("p"), p_consts.append(0)
+            continue
+        code_fmt = _PARAM_TYPES.get(ty)
+        if code_fmt is None:
+            return None
+        code, fmt = code_fmt
+        if role in (SCALE, EPS):
+            if code == "i":
+                return None
+            p_roles.append(role), p_types.append(code), p_consts.append(0)
+        elif role == COPY:
+            p_roles.append(COPY), p_types.append(code), p_consts.append(_param_bytes(fmt, value))
+        else:
+            return None
+    for size in ("global_scratch_size", "profile_scratch_size"):
+        if hasattr(md, size):
+            p_roles.append(COPY), p_types.append("p"), p_consts.append(0)
+    return (int(compiled.function), tuple(grid), 32 * int(md.num_warps), int(md.shared), tuple(p_roles),
+            "".join(p_types).encode(), tuple(p_consts))
+
+
 def _template(launcher, entry, grid, tensors, ints, floats, consts, num_warps, num_stages, maxnreg, roles):
-    """``(run, args, roles, tensor_args)`` of one launch: with a compiled kernel, Triton's launcher and its argument
-    tuple (``CompiledKernel.run``'s layout, as ``_launch.Launcher`` calls it); under the interpreter a closure that
-    launches through the JIT with the tensors themselves (tests)."""
+    """``(run, args, roles, tensor_args, native)`` of one launch: with a compiled kernel, Triton's launcher and its
+    argument tuple (``CompiledKernel.run``'s layout, as ``_launch.Launcher`` calls it) and, where derivable, the
+    direct launch (``_native_layout``); under the interpreter a closure that launches through the JIT with the
+    tensors themselves (tests)."""
     n_t = len(tensors)
     grid = tuple(grid) + (1,) * (3 - len(grid))
     float_roles = (SCALE, EPS)[: len(floats)]
@@ -231,9 +326,10 @@ def _template(launcher, entry, grid, tensors, ints, floats, consts, num_warps, n
         compiled, function, packed = entry
         head = (grid[0], grid[1], grid[2], None, function, packed, None, None, None)
         args = head + (None,) * n_t + tuple(ints) + (None,) * len(floats) + tuple(consts)
-        all_roles = (COPY,) * 3 + (STREAM,) + (COPY,) * 5 + roles + (COPY,) * len(ints) + float_roles \
-            + (COPY,) * len(consts)
-        return compiled.run, args, all_roles, False
+        arg_roles = roles + (COPY,) * len(ints) + float_roles + (COPY,) * len(consts)
+        all_roles = (COPY,) * 3 + (STREAM,) + (COPY,) * 5 + arg_roles
+        values = (0,) * n_t + tuple(ints) + tuple(floats) + tuple(consts)
+        return compiled.run, args, all_roles, False, _native_layout(compiled, grid, values, arg_roles)
     opts = {"num_warps": num_warps}
     if num_stages is not None:
         opts["num_stages"] = num_stages
@@ -241,7 +337,7 @@ def _template(launcher, entry, grid, tensors, ints, floats, consts, num_warps, n
         opts["maxnreg"] = maxnreg
     run = functools.partial(_jit_run, launcher.fn, tuple(grid), opts)
     args = (None,) * n_t + tuple(ints) + (None,) * len(floats) + tuple(consts)
-    return run, args, roles + (COPY,) * len(ints) + float_roles + (COPY,) * len(consts), True
+    return run, args, roles + (COPY,) * len(ints) + float_roles + (COPY,) * len(consts), True, None
 
 
 def _jit_run(fn, grid, opts, *args):
@@ -263,9 +359,10 @@ def _register(direction, launcher, entry, grid, tensors, ints, floats, consts, l
                   roles, n_parts, n_counters)
     if _REGISTERED.get(key) == built_from:
         return
-    run, args, all_roles, tensor_args = _template(launcher, entry, grid, tensors, ints, floats, consts, *launch_opts,
-                                                  roles)
-    NODE.register(direction, M, N, dtypes, dev, flags, run, args, all_roles, n_parts, n_counters, tensor_args)
+    run, args, all_roles, tensor_args, direct = _template(launcher, entry, grid, tensors, ints, floats, consts,
+                                                          *launch_opts, roles)
+    NODE.register(direction, M, N, dtypes, dev, flags, run, args, all_roles, n_parts, n_counters, tensor_args,
+                  direct)
     _REGISTERED[key] = built_from
 
 

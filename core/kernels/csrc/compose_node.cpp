@@ -14,8 +14,18 @@
 // backward skips d_lora and computes the gradients of h and B from dy and the per-row g * s (as the Python node
 // fastdora.ops.compose._DoraComposeLoraB does, with the same operations: bitwise the same results).
 //
-// Module functions (Python): configure(...), register(...), clear(), compose(...), compose_b(...), stats().
+// Native launch (session 26): a template whose kernel's parameter layout the Python side could derive (Triton's
+// CompiledKernel: its signature minus constexprs, then the global and profile scratch pointers, all null here; one
+// CTA per program, no cooperative / PDL launch, no scratch memory) also carries that layout, and the node launches
+// it with the CUDA driver's cuLaunchKernel from C++ (the same function handle, grid, block, shared memory and
+// parameter bytes Triton's launcher passes) instead of calling Triton's Python launcher. The driver is opened with
+// dlopen (no CUDA toolkit at build time). Where it is unavailable, no context is current, or the native launch is
+// switched off (FASTDORA_NATIVE_LAUNCH=0), the template's Triton launcher runs as before.
+//
+// Module functions (Python): configure(...), load_driver(), set_native_launch(on), register(...), clear(),
+// compose(...), compose_b(...), stats().
 
+#define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <ATen/ops/empty.h>
@@ -30,8 +40,11 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <dlfcn.h>
+
 #include <cstring>
 #include <memory>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -49,6 +62,18 @@ enum Role : int {
   STREAM = 30, SCALE = 31, EPS = 32,
 };
 
+// A template's direct launch: Triton's compiled function, its launch dimensions and its parameter layout.
+struct NativeLaunch {
+  uint64_t function = 0;        // CUfunction (Triton's CompiledKernel.function)
+  unsigned grid[3] = {1, 1, 1};
+  unsigned block = 0;           // 32 * num_warps
+  unsigned shared = 0;          // dynamic shared memory bytes (Triton's metadata.shared)
+  std::vector<int> roles;       // per kernel parameter: COPY or a role
+  std::vector<char> types;      // per parameter: 'p' pointer, 'f' fp32, 'd' fp64, 'i' other integer (bytes in consts)
+  std::vector<uint64_t> consts; // per parameter: its bytes (little-endian, zero-padded) where the role is COPY
+};
+constexpr size_t kMaxParams = 64;
+
 // Held through shared_ptr: a call keeps its template alive even if another thread re-registers or clears it while
 // Python code runs in between (the GIL can change hands at any Python call). Created and destroyed with the GIL held.
 struct Template {
@@ -58,6 +83,7 @@ struct Template {
   int64_t n_parts = 0;       // backward: rows of the per-row-block partial sums
   int64_t n_counters = 0;    // backward: program counters needed (0: none)
   bool tensor_args = false;  // pass tensors instead of data pointers (Triton interpreter, tests)
+  std::unique_ptr<NativeLaunch> native;  // the direct launch, where the layout is known (null: the launcher only)
   Template(PyObject* r, PyObject* a) : run(r), args(a) {
     Py_INCREF(run);
     Py_INCREF(args);
@@ -93,7 +119,37 @@ PyObject* g_counters = nullptr;      // (dy, n) -> zeroed int32 program counters
 PyObject* g_lora_b_coefs = nullptr;  // (magnitude, norm, eps, scale, acc64, lora_b, lora_dtype, need_dh, need_db)
                                      //   -> (B's rows scaled by g * s, or None; the [d_out, 1] g * s, or None)
 int64_t g_fast = 0, g_slow = 0;      // launches through templates / through the Python launchers
+int64_t g_native = 0;                // of the template launches: direct (cuLaunchKernel)
 bool g_host_templates = false;       // tests: compiled-launcher templates on CPU tensors (their argument layout)
+bool g_native_on = true;             // FASTDORA_NATIVE_LAUNCH (set by the Python side)
+bool g_record = false;               // tests: record direct launches instead of making them (CPU)
+PyObject* g_records = nullptr;       // tests: a list of (function, grid, block, shared, stream, params bytes)
+
+// The CUDA driver's entry points (dlopen'ed: the node is built without the CUDA toolkit). CUresult is an int enum.
+struct Driver {
+  using launch_t = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*, void**,
+                           void**);
+  using ctx_t = int (*)(void**);
+  using capturing_t = int (*)(void*, int*);
+  using errstr_t = int (*)(int, const char**);
+  launch_t launch = nullptr;
+  ctx_t ctx_current = nullptr;
+  capturing_t stream_capturing = nullptr;
+  errstr_t error_string = nullptr;
+  bool ready() const { return launch != nullptr; }
+};
+Driver g_driver;
+
+// the counters (zeroed int32, see fastdora.kernels.compose._counters) per (device, stream) the node has used
+struct StreamKey {
+  int64_t dev;
+  uint64_t stream;
+  bool operator==(const StreamKey& o) const { return dev == o.dev && stream == o.stream; }
+};
+struct StreamKeyHash {
+  size_t operator()(const StreamKey& k) const { return std::hash<uint64_t>()(k.stream * 31 + k.dev); }
+};
+auto& g_counts = *new std::unordered_map<StreamKey, at::Tensor, StreamKeyHash>();
 
 inline int64_t st(const at::Tensor& t) { return t.defined() ? static_cast<int64_t>(t.scalar_type()) : 63; }
 inline int64_t st(at::ScalarType s) { return static_cast<int64_t>(s); }
@@ -167,8 +223,86 @@ bool aligned(const at::Tensor& t) {
 bool row_major(const at::Tensor& t, int64_t N) { return t.is_contiguous() && t.dim() >= 1 && t.size(-1) == N; }
 bool vec_ok(const at::Tensor& t, int64_t N) { return t.is_contiguous() && t.numel() == N; }
 
+uint64_t stream_of(const at::Tensor& on) {
+  if (!on.is_cuda()) return 0;
+  c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+  return reinterpret_cast<uint64_t>(impl.getStream(on.device()).native_handle());
+}
+
+// Whether `on`'s device's current stream is capturing a CUDA graph (the driver's answer where it is loaded).
+bool capturing(const at::Tensor& on) {
+  if (!on.is_cuda()) return false;
+  if (g_driver.stream_capturing) {
+    int status = 0;
+    if (g_driver.stream_capturing(reinterpret_cast<void*>(stream_of(on)), &status) == 0) return status != 0;
+  }
+  return call_bool(g_capturing);
+}
+
+// The direct launch: can it run here (a driver and a current context on CUDA; the recorder in tests)?
+bool native_ready(const Template& tp, const at::Tensor& on) {
+  if (!tp.native || !g_native_on) return false;
+  if (g_record) return true;
+  if (!on.is_cuda() || !g_driver.ready()) return false;
+  void* ctx = nullptr;
+  return g_driver.ctx_current(&ctx) == 0 && ctx != nullptr;
+}
+
+// Launch a template's kernel directly: its parameters as Triton's launcher packs them (pointers as device
+// addresses, fp32 scalars rounded from the double as a C cast does, constants as registered). Needs the GIL only
+// in tests (the recorder).
+void launch_native(const NativeLaunch& nl, const at::Tensor* by_role, double scale, double eps, const at::Tensor& on) {
+  const size_t n = nl.roles.size();
+  uint64_t slots[kMaxParams];
+  void* params[kMaxParams];
+  for (size_t i = 0; i < n; ++i) {
+    const int role = nl.roles[i];
+    uint64_t v = 0;
+    if (role == COPY) {
+      v = nl.consts[i];
+    } else if (role == SCALE || role == EPS) {
+      const double d = role == SCALE ? scale : eps;
+      if (nl.types[i] == 'f') {
+        const float f = static_cast<float>(d);
+        uint32_t b;
+        std::memcpy(&b, &f, 4);
+        v = b;
+      } else {
+        std::memcpy(&v, &d, 8);
+      }
+    } else {
+      v = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(by_role[role].data_ptr()));
+    }
+    slots[i] = v;
+    params[i] = &slots[i];
+  }
+  const uint64_t stream = stream_of(on);
+  if (g_record) {
+    PyObject* rec = Py_BuildValue("(K(III)IIKy#)", static_cast<unsigned long long>(nl.function), nl.grid[0],
+                                  nl.grid[1], nl.grid[2], nl.block, nl.shared, static_cast<unsigned long long>(stream),
+                                  reinterpret_cast<const char*>(slots), static_cast<Py_ssize_t>(n * 8));
+    if (!rec || PyList_Append(g_records, rec) < 0) {
+      Py_XDECREF(rec);
+      throw_py();
+    }
+    Py_DECREF(rec);
+  } else {
+    const int rc = g_driver.launch(reinterpret_cast<void*>(nl.function), nl.grid[0], nl.grid[1], nl.grid[2], nl.block,
+                                   1, 1, nl.shared, reinterpret_cast<void*>(stream), params, nullptr);
+    if (rc != 0) {
+      const char* msg = nullptr;
+      if (g_driver.error_string) g_driver.error_string(rc, &msg);
+      TORCH_CHECK(false, "fastdora native node: cuLaunchKernel failed: ", msg ? msg : "unknown error", " (CUresult ",
+                  rc, ")");
+    }
+  }
+  ++g_fast;
+  ++g_native;
+}
+
 // Fill a template with this call's tensors (by role) and scalars and launch it. Needs the GIL.
 void launch(const Template& tp, const at::Tensor* by_role, double scale, double eps, const at::Tensor& on) {
+  if (native_ready(tp, on)) return launch_native(*tp.native, by_role, scale, eps, on);
   const Py_ssize_t n = PyTuple_GET_SIZE(tp.args);
   PyObject* a = PyTuple_New(n);
   if (!a) throw_py();
@@ -209,10 +343,10 @@ void launch(const Template& tp, const at::Tensor* by_role, double scale, double 
 }
 
 struct Extra {  // the node's non-differentiable inputs
-  at::Tensor norm, bias, placeholder;  // placeholder (ComposeNode): saved instead of inner when defined
+  at::Tensor norm, bias;
   double scale, eps;
   at::ScalarType out_dtype;
-  bool discard = false;  // ComposeBNode: save a placeholder instead of inner (made once lora's dtype is known)
+  bool discard = false;  // checkpointing discards what the node saves: save a placeholder instead of inner
 };
 
 struct GIL {
@@ -275,17 +409,25 @@ std::vector<at::Tensor> run_bwd(const at::Tensor& dy, const at::Tensor& inner, c
     if (it != g_templates.end() && (dy.is_cuda() || it->second->tensor_args || g_host_templates))
       tp = it->second;
   }
-  if (tp && ((dy.is_cuda() && call_bool(g_capturing)) || call_bool(g_hooks_active))) tp.reset();
+  if (tp && (capturing(dy) || call_bool(g_hooks_active))) tp.reset();
   at::Tensor counts;
   if (tp && tp->n_counters > 0) {
-    PyObject* c = PyObject_CallFunction(g_counters, "NL", wrap(dy), static_cast<long long>(tp->n_counters));
-    if (!c) throw_py();
-    if (c == Py_None) {
-      tp.reset();  // no counters here: the Python launcher's two-kernel reduction
+    // the stream's counters: the Python side's (fastdora.kernels.compose._counters), kept here after the first ask
+    const StreamKey sk{dy.is_cuda() ? dy.get_device() : -1, stream_of(dy)};
+    auto ct = g_counts.find(sk);
+    if (ct != g_counts.end() && ct->second.numel() >= tp->n_counters) {
+      counts = ct->second;
     } else {
-      counts = unwrap(c);
+      PyObject* c = PyObject_CallFunction(g_counters, "NL", wrap(dy), static_cast<long long>(tp->n_counters));
+      if (!c) throw_py();
+      if (c == Py_None) {
+        tp.reset();  // no counters here: the Python launcher's two-kernel reduction
+      } else {
+        counts = unwrap(c);
+        g_counts[sk] = counts;
+      }
+      Py_DECREF(c);
     }
-    Py_DECREF(c);
   }
   if (tp) {
     if (need_dres) d_result = at::empty(dy.sizes(), dy.options().dtype(rd));
@@ -322,6 +464,14 @@ std::vector<at::Tensor> run_bwd(const at::Tensor& dy, const at::Tensor& inner, c
   return {need_dres ? d_result : at::Tensor(), need_dlora ? d_lora : at::Tensor(), need_dm ? dm : at::Tensor()};
 }
 
+// What the node saves instead of inner while checkpointing discards saved tensors (fastdora.ops.compose.
+// saves_discarded): a zero-stride view of inner's shape, dtype and device (what checkpointing's determinism check
+// compares), never written or read (ops.compose._inner_placeholder is the Python node's)
+at::Tensor placeholder(const at::Tensor& result, const at::Tensor& lora) {
+  return at::empty({}, result.options().dtype(c10::promoteTypes(result.scalar_type(), lora.scalar_type())))
+      .expand(result.sizes());
+}
+
 // the saved inner, refusing a checkpointing placeholder (a zero-stride view)
 at::Tensor saved_inner(const at::Tensor& inner) {
   if (inner.dim() && inner.stride(-1) == 0 && inner.numel() > 1)
@@ -346,10 +496,10 @@ struct ComposeNode : public torch::autograd::Function<ComposeNode> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& result, const at::Tensor& lora,
                             const at::Tensor& magnitude, const Extra& ex) {
     const bool need_dm = magnitude.requires_grad();
-    const bool discard = ex.placeholder.defined();
+    const bool discard = ex.discard;
     auto yi = run_fwd(result, lora, magnitude, ex, need_dm && !discard);
     at::Tensor y = yi.first, inner = yi.second;
-    if (discard) inner = ex.placeholder;
+    if (need_dm && discard) inner = placeholder(result, lora);
     save_common(ctx, magnitude, ex, result, lora, need_dm);
     if (need_dm) ctx->save_for_backward({inner});
     return y;
@@ -383,9 +533,7 @@ struct ComposeBNode : public torch::autograd::Function<ComposeBNode> {
     const bool discard = ex.discard;
     auto yi = run_fwd(result, lora, magnitude, ex, need_dm && !discard);
     at::Tensor y = yi.first, inner = yi.second;
-    if (need_dm && discard)  // a zero-stride view of inner's shape / dtype / device (ops.compose._inner_placeholder)
-      inner = at::empty({}, result.options().dtype(c10::promoteTypes(result.scalar_type(), lora.scalar_type())))
-                  .expand(result.sizes());
+    if (need_dm && discard) inner = placeholder(result, lora);
     save_common(ctx, magnitude, ex, result, lora, need_dm);
     ctx->save_for_backward({h, lora_b, need_dm ? inner : at::Tensor()});
     return y;
@@ -452,20 +600,59 @@ PyObject* py_configure(PyObject*, PyObject* args) {
 
 PyObject* py_clear(PyObject*, PyObject*) {
   g_templates.clear();
-  g_fast = g_slow = 0;
+  g_counts.clear();
+  g_fast = g_slow = g_native = 0;
   Py_RETURN_NONE;
 }
 
-PyObject* py_host_templates(PyObject*, PyObject* arg) {
-  int v = PyObject_IsTrue(arg);
-  if (v < 0) return nullptr;
-  g_host_templates = v != 0;
+// load_driver() -> None, or why the CUDA driver's entry points are unavailable (the templates' launchers then run)
+PyObject* py_load_driver(PyObject*, PyObject*) {
+  if (g_driver.ready()) Py_RETURN_NONE;
+  void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  if (!h) h = dlopen("libcuda.so.1", RTLD_NOW);
+  if (!h) return PyUnicode_FromFormat("dlopen(libcuda.so.1) failed: %s", dlerror());
+  Driver d;
+  d.launch = reinterpret_cast<Driver::launch_t>(dlsym(h, "cuLaunchKernel"));
+  d.ctx_current = reinterpret_cast<Driver::ctx_t>(dlsym(h, "cuCtxGetCurrent"));
+  d.stream_capturing = reinterpret_cast<Driver::capturing_t>(dlsym(h, "cuStreamIsCapturing"));
+  d.error_string = reinterpret_cast<Driver::errstr_t>(dlsym(h, "cuGetErrorString"));
+  if (!d.launch || !d.ctx_current || !d.stream_capturing)
+    return PyUnicode_FromString("libcuda.so.1 lacks cuLaunchKernel / cuCtxGetCurrent / cuStreamIsCapturing");
+  g_driver = d;
   Py_RETURN_NONE;
 }
+
+// a module-level switch from a Python truth value
+PyObject* set_flag(bool& flag, PyObject* arg) {
+  const int v = PyObject_IsTrue(arg);
+  if (v < 0) return nullptr;
+  flag = v != 0;
+  Py_RETURN_NONE;
+}
+
+PyObject* py_set_native_launch(PyObject*, PyObject* arg) { return set_flag(g_native_on, arg); }
+
+// tests: record_native(list or None): direct launches append (function, grid, block, shared, stream, params) to the
+// list instead of launching (also on CPU tensors); None: launch again
+PyObject* py_record_native(PyObject*, PyObject* arg) {
+  if (arg != Py_None && !PyList_Check(arg)) {
+    PyErr_SetString(PyExc_TypeError, "fastdora native node: record_native takes a list or None");
+    return nullptr;
+  }
+  Py_XDECREF(g_records);
+  g_records = arg == Py_None ? nullptr : arg;
+  Py_XINCREF(g_records);
+  g_record = g_records != nullptr;
+  Py_RETURN_NONE;
+}
+
+PyObject* py_host_templates(PyObject*, PyObject* arg) { return set_flag(g_host_templates, arg); }
 
 PyObject* py_stats(PyObject*, PyObject*) {
-  return Py_BuildValue("{s:L,s:L,s:n}", "fast", static_cast<long long>(g_fast), "slow",
-                       static_cast<long long>(g_slow), "templates", static_cast<Py_ssize_t>(g_templates.size()));
+  return Py_BuildValue("{s:L,s:L,s:L,s:n,s:O}", "fast", static_cast<long long>(g_fast), "slow",
+                       static_cast<long long>(g_slow), "native", static_cast<long long>(g_native), "templates",
+                       static_cast<Py_ssize_t>(g_templates.size()), "direct",
+                       (g_native_on && g_driver.ready()) ? Py_True : Py_False);
 }
 
 at::ScalarType dtype_of(PyObject* o) {
@@ -476,16 +663,64 @@ at::ScalarType dtype_of(PyObject* o) {
   return reinterpret_cast<THPDtype*>(o)->scalar_type;
 }
 
-// register(direction, M, N, dtypes, device, flags, run, args, roles, n_parts, n_counters, tensor_args)
+bool valid_role(int direction, long r) {
+  const bool tensor_role = direction ? (r >= B_DY && r <= B_COUNTS) : (r >= F_RESULT && r <= F_INNER);
+  return r == COPY || tensor_role || (r >= STREAM && r <= EPS);
+}
+
+// The direct launch of a template from (function, (gx, gy, gz), block, shared, roles, types, consts); null with a
+// Python error set where it is malformed.
+std::unique_ptr<NativeLaunch> parse_native(int direction, PyObject* o) {
+  unsigned long long fn;
+  unsigned gx, gy, gz, block, shared;
+  PyObject *roles, *consts;
+  const char* types;
+  Py_ssize_t n_types;
+  if (!PyArg_ParseTuple(o, "K(III)IIO!y#O!", &fn, &gx, &gy, &gz, &block, &shared, &PyTuple_Type, &roles, &types,
+                        &n_types, &PyTuple_Type, &consts))
+    return nullptr;
+  const Py_ssize_t n = PyTuple_GET_SIZE(roles);
+  if (n != n_types || n != PyTuple_GET_SIZE(consts) || n > static_cast<Py_ssize_t>(kMaxParams) || block == 0) {
+    PyErr_SetString(PyExc_ValueError, "fastdora native node: bad direct-launch layout");
+    return nullptr;
+  }
+  auto nl = std::make_unique<NativeLaunch>();
+  nl->function = fn;
+  nl->grid[0] = gx;
+  nl->grid[1] = gy;
+  nl->grid[2] = gz;
+  nl->block = block;
+  nl->shared = shared;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const long r = PyLong_AsLong(PyTuple_GET_ITEM(roles, i));
+    const unsigned long long c = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(consts, i));
+    if (PyErr_Occurred()) return nullptr;
+    const char t = types[i];
+    const bool ok = valid_role(direction, r) && r != STREAM && (t == 'p' || t == 'f' || t == 'd' || t == 'i') &&
+                    ((r == SCALE || r == EPS) ? (t == 'f' || t == 'd') : (r == COPY || t == 'p'));
+    if (!ok) {
+      PyErr_Format(PyExc_ValueError, "fastdora native node: bad direct-launch parameter %zd (role %ld, type %c)", i,
+                   r, t);
+      return nullptr;
+    }
+    nl->roles.push_back(static_cast<int>(r));
+    nl->types.push_back(t);
+    nl->consts.push_back(c);
+  }
+  return nl;
+}
+
+// register(direction, M, N, dtypes, device, flags, run, args, roles, n_parts, n_counters, tensor_args, native)
 //   forward:  dtypes = (result, lora, out, magnitude, norm, bias or None), flags = save_inner
 //   backward: dtypes = (dy, inner or None, result, lora, magnitude, norm), flags = dres | dlora << 1 | dm << 2
+//   native:   None, or the direct launch (parse_native)
 PyObject* py_register(PyObject*, PyObject* args) {
   HANDLE_TH_ERRORS
   int direction, tensor_args;
   long long M, N, dev, flags, n_parts, n_counters;
-  PyObject *dtypes, *run, *targs, *roles;
-  if (!PyArg_ParseTuple(args, "iLLO!LLOO!O!LLp", &direction, &M, &N, &PyTuple_Type, &dtypes, &dev, &flags, &run,
-                        &PyTuple_Type, &targs, &PyTuple_Type, &roles, &n_parts, &n_counters, &tensor_args))
+  PyObject *dtypes, *run, *targs, *roles, *native;
+  if (!PyArg_ParseTuple(args, "iLLO!LLOO!O!LLpO", &direction, &M, &N, &PyTuple_Type, &dtypes, &dev, &flags, &run,
+                        &PyTuple_Type, &targs, &PyTuple_Type, &roles, &n_parts, &n_counters, &tensor_args, &native))
     return nullptr;
   if (PyTuple_GET_SIZE(dtypes) != 6 || PyTuple_GET_SIZE(roles) != PyTuple_GET_SIZE(targs)) {
     PyErr_SetString(PyExc_ValueError, "fastdora native node: bad template");
@@ -503,8 +738,7 @@ PyObject* py_register(PyObject*, PyObject* args) {
   for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(roles); ++i) {
     long r = PyLong_AsLong(PyTuple_GET_ITEM(roles, i));
     if (r == -1 && PyErr_Occurred()) return nullptr;
-    const bool tensor_role = direction ? (r >= B_DY && r <= B_COUNTS) : (r >= F_RESULT && r <= F_INNER);
-    if (!(r == COPY || tensor_role || (r >= STREAM && r <= EPS))) {
+    if (!valid_role(direction, r)) {
       PyErr_Format(PyExc_ValueError, "fastdora native node: bad template role %ld", r);
       return nullptr;
     }
@@ -513,6 +747,10 @@ PyObject* py_register(PyObject*, PyObject* args) {
   tp->n_parts = n_parts;
   tp->n_counters = n_counters;
   tp->tensor_args = tensor_args != 0;
+  if (native != Py_None) {
+    tp->native = parse_native(direction, native);
+    if (!tp->native) return nullptr;
+  }
   g_templates[key] = std::move(tp);  // a replaced template lives on while a call still holds it
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
@@ -527,7 +765,7 @@ bool parse_extra(PyObject* const* a, Extra& ex) {
   return !PyErr_Occurred();
 }
 
-// compose(result, lora, magnitude, norm, bias, scale, eps, out_dtype, placeholder) -> y (autograd-aware)
+// compose(result, lora, magnitude, norm, bias, scale, eps, out_dtype, discard) -> y (autograd-aware)
 PyObject* py_compose(PyObject*, PyObject* const* a, Py_ssize_t n) {
   HANDLE_TH_ERRORS
   if (n != 9) {
@@ -537,7 +775,9 @@ PyObject* py_compose(PyObject*, PyObject* const* a, Py_ssize_t n) {
   Extra ex;
   if (!parse_extra(a + 3, ex)) return nullptr;
   ex.out_dtype = dtype_of(a[7]);
-  ex.placeholder = unwrap(a[8]);
+  const int discard = PyObject_IsTrue(a[8]);
+  if (discard < 0) return nullptr;
+  ex.discard = discard != 0;
   at::Tensor y = ComposeNode::apply(unwrap(a[0]), unwrap(a[1]), unwrap(a[2]), ex);
   return THPVariable_Wrap(y);
   END_HANDLE_TH_ERRORS
@@ -566,11 +806,15 @@ PyMethodDef methods[] = {
      "configure(slow_fwd, slow_bwd, capturing, hooks_active, counters, lora_b_coefs)"},
     {"register", py_register, METH_VARARGS, "register a launch template"},
     {"clear", py_clear, METH_NOARGS, "drop every template and reset the counters"},
+    {"load_driver", py_load_driver, METH_NOARGS, "open the CUDA driver for direct launches: None, or why not"},
+    {"set_native_launch", py_set_native_launch, METH_O, "direct launches on (True) or off (False)"},
+    {"testing_record_native", py_record_native, METH_O,
+     "tests only: record direct launches into a list instead of launching (None: launch)"},
     {"testing_host_templates", py_host_templates, METH_O,
      "tests only: let compiled-launcher templates serve CPU tensors (to check their argument layout)"},
     {"stats", py_stats, METH_NOARGS, "{'fast': launches through templates, 'slow': through Python, 'templates'}"},
     {"compose", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_compose)), METH_FASTCALL,
-     "compose(result, lora, magnitude, norm, bias, scale, eps, out_dtype, placeholder) -> y"},
+     "compose(result, lora, magnitude, norm, bias, scale, eps, out_dtype, discard) -> y"},
     {"compose_b", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_compose_b)), METH_FASTCALL,
      "compose_b(result, h, lora_b, magnitude, norm, bias, scale, eps, out_dtype or None, discard) -> y"},
     {nullptr, nullptr, 0, nullptr}};
