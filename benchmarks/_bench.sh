@@ -4,6 +4,7 @@
 #   per-config lines, MISS / TARGETS lines and warnings
 #   node        builds the C++ composition node (so that no worker builds it inside a timed run)
 #   smi_start   the GPU's clocks / power / throttle reasons every 200 ms into $OUT/smi.csv, until `kill $smi`
+#   gpu_tests LOG TIMEOUT_S [pytest targets]   pytest -m gpu, the log's last 40 lines to $OUT/LOG
 bench() {
   local tag=${TAG:-$1}
   timeout $(( $2 + 65 )) python benchmarks/model_bench.py --out /tmp/mb_$tag --plan $1 --budget-s $2 "${@:3}" \
@@ -22,4 +23,10 @@ clocks_throttle_reasons.active --format=csv -lms 200 > $OUT/smi.csv 2>&1 &
 node() {
   python -c "from fastdora.kernels import native; native.node(required=True)" 2>&1 | grep -v Warn | tail -2
   echo "node $(( $(date +%s) - t0 )) s" | tee -a $OUT/times.log
+}
+gpu_tests() {  # gpu_tests LOG TIMEOUT_S [pytest targets]
+  local log=$1 limit=$2
+  timeout $limit python -m pytest "${@:3}" -m gpu -q -p no:cacheprovider 2>&1 | tail -40 > $OUT/$log
+  tail -8 $OUT/$log
+  echo "tests $(( $(date +%s) - t0 )) s" | tee -a $OUT/times.log
 }

@@ -24,13 +24,7 @@ set -uo pipefail
 source benchmarks/_env.sh
 export FASTDORA_CACHE_DIR=${FASTDORA_CACHE_DIR:-/tmp/fdcache}
 t0=$(date +%s)
-source benchmarks/_bench.sh  # bench PLAN BUDGET_S [model_bench arguments]; node; smi_start
-gpu_tests() {  # gpu_tests LOG TIMEOUT_S [pytest targets]
-  local log=$1 limit=$2
-  timeout $limit python -m pytest "${@:3}" -m gpu -q -p no:cacheprovider 2>&1 | tail -25 > $OUT/$log
-  tail -6 $OUT/$log
-  echo "tests $(( $(date +%s) - t0 )) s" | tee -a $OUT/times.log
-}
+source benchmarks/_bench.sh  # bench PLAN BUDGET_S [model_bench arguments]; node; smi_start; gpu_tests
 case "${1:-gap}" in
   gap)
     node
