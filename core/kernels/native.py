@@ -19,9 +19,9 @@ parameter bytes as Triton's launcher), without calling into Python per launch; `
 the Triton launcher. ``launch_status()`` says which one runs.
 
 The extension is compiled on first use with the C++ compiler against the installed torch's headers (no CUDA
-toolkit needed: it launches through Triton's launcher) and cached in ``FASTDORA_CACHE_DIR`` per source / torch /
-Python; ``FASTDORA_NATIVE`` (``auto`` | ``1`` | ``0``, read in ``fastdora.config``) decides whether it is used.
-``status()`` says whether it is active and, if not, why.
+toolkit needed: the CUDA driver is opened at run time, or Triton's launcher runs) and cached in
+``FASTDORA_CACHE_DIR`` per source / torch / Python; ``FASTDORA_NATIVE`` (``auto`` | ``1`` | ``0``, read in
+``fastdora.config``) decides whether it is used. ``status()`` says whether it is active and, if not, why.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ import torch
 
 from .. import config as _config
 
-__all__ = ["node", "first_node", "status", "launch_status", "clear_templates", "register_fwd", "register_bwd", "ROLES_FWD",
-           "ROLES_BWD"]
+__all__ = ["node", "first_node", "status", "launch_status", "clear_templates", "register_fwd", "register_bwd",
+           "ROLES_FWD", "ROLES_BWD"]
 
 _MODULE = "fastdora_compose_node"
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "compose_node.cpp")
