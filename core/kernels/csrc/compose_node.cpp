@@ -44,7 +44,6 @@
 
 #include <cstring>
 #include <memory>
-#include <string>
 #include <unordered_map>
 #include <vector>
 
