@@ -222,18 +222,19 @@ bool aligned(const at::Tensor& t) {
 bool row_major(const at::Tensor& t, int64_t N) { return t.is_contiguous() && t.dim() >= 1 && t.size(-1) == N; }
 bool vec_ok(const at::Tensor& t, int64_t N) { return t.is_contiguous() && t.numel() == N; }
 
+// the raw handle of `on`'s device's current stream (0 for a CPU tensor); looked up once per node call
 uint64_t stream_of(const at::Tensor& on) {
   if (!on.is_cuda()) return 0;
   c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
   return reinterpret_cast<uint64_t>(impl.getStream(on.device()).native_handle());
 }
 
-// Whether `on`'s device's current stream is capturing a CUDA graph (the driver's answer where it is loaded).
-bool capturing(const at::Tensor& on) {
+// Whether `on`'s device's current stream (`stream`) is capturing a CUDA graph (the driver's answer where it is loaded).
+bool capturing(const at::Tensor& on, uint64_t stream) {
   if (!on.is_cuda()) return false;
   if (g_driver.stream_capturing) {
     int status = 0;
-    if (g_driver.stream_capturing(reinterpret_cast<void*>(stream_of(on)), &status) == 0) return status != 0;
+    if (g_driver.stream_capturing(reinterpret_cast<void*>(stream), &status) == 0) return status != 0;
   }
   return call_bool(g_capturing);
 }
@@ -250,7 +251,7 @@ bool native_ready(const Template& tp, const at::Tensor& on) {
 // Launch a template's kernel directly: its parameters as Triton's launcher packs them (pointers as device
 // addresses, fp32 scalars rounded from the double as a C cast does, constants as registered). Needs the GIL only
 // in tests (the recorder).
-void launch_native(const NativeLaunch& nl, const at::Tensor* by_role, double scale, double eps, const at::Tensor& on) {
+void launch_native(const NativeLaunch& nl, const at::Tensor* by_role, double scale, double eps, uint64_t stream) {
   const size_t n = nl.roles.size();
   uint64_t slots[kMaxParams];
   void* params[kMaxParams];
@@ -275,7 +276,6 @@ void launch_native(const NativeLaunch& nl, const at::Tensor* by_role, double sca
     slots[i] = v;
     params[i] = &slots[i];
   }
-  const uint64_t stream = stream_of(on);
   if (g_record) {
     PyObject* rec = Py_BuildValue("(K(III)IIKy#)", static_cast<unsigned long long>(nl.function), nl.grid[0],
                                   nl.grid[1], nl.grid[2], nl.block, nl.shared, static_cast<unsigned long long>(stream),
@@ -299,9 +299,11 @@ void launch_native(const NativeLaunch& nl, const at::Tensor* by_role, double sca
   ++g_native;
 }
 
-// Fill a template with this call's tensors (by role) and scalars and launch it. Needs the GIL.
-void launch(const Template& tp, const at::Tensor* by_role, double scale, double eps, const at::Tensor& on) {
-  if (native_ready(tp, on)) return launch_native(*tp.native, by_role, scale, eps, on);
+// Fill a template with this call's tensors (by role), scalars and stream (`on`'s: stream_of) and launch it. Needs
+// the GIL.
+void launch(const Template& tp, const at::Tensor* by_role, double scale, double eps, const at::Tensor& on,
+            uint64_t stream) {
+  if (native_ready(tp, on)) return launch_native(*tp.native, by_role, scale, eps, stream);
   const Py_ssize_t n = PyTuple_GET_SIZE(tp.args);
   PyObject* a = PyTuple_New(n);
   if (!a) throw_py();
@@ -313,8 +315,7 @@ void launch(const Template& tp, const at::Tensor* by_role, double scale, double 
       Py_INCREF(v);
     } else if (role == STREAM) {
       if (on.is_cuda()) {
-        c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
-        v = PyLong_FromVoidPtr(impl.getStream(on.device()).native_handle());
+        v = PyLong_FromUnsignedLongLong(static_cast<unsigned long long>(stream));
       } else {
         v = Py_None;
         Py_INCREF(v);
@@ -378,7 +379,7 @@ std::pair<at::Tensor, at::Tensor> run_fwd(const at::Tensor& result, const at::Te
                            save_inner ? inner : y};
     c10::OptionalDeviceGuard guard;
     if (result.is_cuda()) guard.reset_device(result.device());
-    launch(*tp, roles, ex.scale, ex.eps, result);
+    launch(*tp, roles, ex.scale, ex.eps, result, stream_of(result));
   } else {
     ++g_slow;
     // "N": new references handed over (the wrapped tensors); "O": borrowed (getTHPDtype's dtype objects, bools)
@@ -408,11 +409,12 @@ std::vector<at::Tensor> run_bwd(const at::Tensor& dy, const at::Tensor& inner, c
     if (it != g_templates.end() && (dy.is_cuda() || it->second->tensor_args || g_host_templates))
       tp = it->second;
   }
-  if (tp && (capturing(dy) || call_bool(g_hooks_active))) tp.reset();
+  const uint64_t stream = tp ? stream_of(dy) : 0;
+  if (tp && (capturing(dy, stream) || call_bool(g_hooks_active))) tp.reset();
   at::Tensor counts;
   if (tp && tp->n_counters > 0) {
     // the stream's counters: the Python side's (fastdora.kernels.compose._counters), kept here after the first ask
-    const StreamKey sk{dy.is_cuda() ? dy.get_device() : -1, stream_of(dy)};
+    const StreamKey sk{dy.is_cuda() ? dy.get_device() : -1, stream};
     auto ct = g_counts.find(sk);
     if (ct != g_counts.end() && ct->second.numel() >= tp->n_counters) {
       counts = ct->second;
@@ -448,7 +450,7 @@ std::vector<at::Tensor> run_bwd(const at::Tensor& dy, const at::Tensor& inner, c
     roles[B_COUNTS] = counts.defined() ? counts : magnitude;
     c10::OptionalDeviceGuard guard;
     if (dy.is_cuda()) guard.reset_device(dy.device());
-    launch(*tp, roles, scale, eps, dy);
+    launch(*tp, roles, scale, eps, dy, stream);
   } else {
     ++g_slow;
     PyObject* r = PyObject_CallFunction(
