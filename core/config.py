@@ -107,6 +107,13 @@ class Options:
         adapter, no extra arguments, no hooks, not merged / disabled, no training-mode dropout) through one flattened
         function instead of PEFT's ``forward`` -> variant -> magnitude module chain: the same operations in the same
         order (bitwise the same outputs and gradients), less host time per layer. Off: PEFT's ``forward`` always.
+    layer_node: with ``lean_forward``, on the Triton path with the C++ node active (``fastdora.kernels.native``), a
+        Linear layer whose base layer, ``lora_A`` and ``lora_B`` are bare bias-free ``nn.Linear`` modules, run in
+        the adapters' dtype or under autocast, runs as ONE autograd node (its three products and the composition,
+        forward and backward, from C++): the same operations, bitwise the same outputs and gradients as the
+        separate nodes, and under gradient checkpointing three saved activations (x, lora_A's output, the
+        composition's) instead of six saved tensors, each of which costs checkpointing's Python hooks. Off: the
+        separate nodes.
     graph_norm: on CUDA, a layer's once-per-step norm recomputation (Triton path, cached base) is captured into a CUDA
         graph after its first recomputations and replayed from then on: the same kernels on the same inputs (bitwise
         the same norm), one graph launch instead of ~12 kernel launches and their Python per layer and step. Inputs
@@ -119,6 +126,7 @@ class Options:
     norm_budget_mb: float = 16.0
     fuse_lora_b: bool = False
     lean_forward: bool = True
+    layer_node: bool = True
     graph_norm: bool = True
 
     @property
@@ -141,7 +149,7 @@ def make_options(**kwargs: Any) -> Options:
     kernels = values["kernels"]
     if not isinstance(kernels, str) or kernels not in _KERNELS:
         raise ValueError(f"fastdora: option kernels={kernels!r} is invalid; use one of {list(_KERNELS)}")
-    for name in ("legacy_embedding_compose", "cache_norm", "fuse_lora_b", "lean_forward", "graph_norm"):
+    for name in ("legacy_embedding_compose", "cache_norm", "fuse_lora_b", "lean_forward", "layer_node", "graph_norm"):
         if name in values and not isinstance(values[name], bool):
             raise ValueError(f"fastdora: option {name}={values[name]!r} must be a bool")
     budget = values["norm_budget_mb"]

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["compose_impl", "norm_impl", "triton_available"]
+__all__ = ["compose_impl", "layer_node", "norm_impl", "triton_available"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,6 +77,23 @@ def compose_impl(result, lora, magnitude, bias, base_delta, feature_dim, kernels
     if bias is not None and bias.requires_grad:
         return _EAGER
     return k.TRITON
+
+
+def layer_node(x, weight, magnitude, kernels: str):
+    """The C++ node (``fastdora.kernels.native``) for a whole DoRA Linear layer call (``lean_linear_forward``), where
+    the composition of this call would take the Triton path (``compose_impl``'s rule for the layer's result, which
+    has ``x``'s rows and ``weight``'s output features) and the node is active; None otherwise (the separate nodes run).
+    """
+    if kernels == "eager" or not (x.is_cuda and weight.is_cuda and magnitude.is_cuda):
+        return None
+    k = _compose_kernels()
+    if not k:
+        if kernels == "triton":
+            raise RuntimeError("fastdora: kernels='triton' was requested but Triton is not importable")
+        return None
+    if kernels == "auto" and (x.numel() // max(x.shape[-1], 1)) * weight.shape[0] < k.CROSSOVER_NUMEL:
+        return None
+    return k.layer_node(x)
 
 
 def norm_impl(weight, lora_A, lora_B, kernels: str):

@@ -23,11 +23,13 @@ from peft.utils.other import transpose
 from torch import nn
 
 from . import config as _config
+from . import dispatch as _dispatch
 from . import distributed as _distributed
+from .ops import compose as _compose_ops
 from .ops.compose import acc_dtype_for, allow_row_coef_cache, dora_compose, dora_compose_lora_b
 from .ops import norm_graph as _norm_graph
 from .ops.norm import factored_norm
-from .stats import active_path_counter, record
+from .stats import active_path_counter, path_key, record
 
 __all__ = [
     "FastDoraLinearLayer",
@@ -547,7 +549,7 @@ class FastDoraLinearVariant(PEFT_CLASSES["DoraLinearVariant"]):
         if not isinstance(_distributed.unwrap(mag), _FastDoraMixin):
             return PEFT_CLASSES["DoraLinearVariant"].forward(module, active_adapter, x, result, **kwargs)
         if ("forward" not in module.__dict__ and type(mag) is FastDoraLinearLayer and mag._fd_options().lean_forward
-                and not _distributed.active()):
+                and not _distributed.active() and lean_install_safe()):
             install_lean_forward(module)  # later calls of this module take the flattened path (lean_linear_forward)
         dropout = module.lora_dropout[active_adapter]
         if isinstance(dropout, nn.Identity) or not module.training:
@@ -715,34 +717,39 @@ def lean_linear_forward(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
     lora_B = mods["lora_B"]._modules[a]
     scaling = module.scaling[a]
     base = mods["base_layer"]
-    if _bare_linear(base):
-        result = F.linear(x, base._parameters["weight"], base._parameters["bias"])
-    else:
-        result = base(x)
+    bare_base = _bare_linear(base)
     a_weight = lora_A._parameters["weight"]
     bare_a = _bare_linear(lora_A) and lora_A._parameters["bias"] is None
-    x_dtype = x.dtype  # the dtype PEFT's LoRA branch computes in (eps below)
-    if x_dtype != a_weight.dtype and getattr(module, "cast_input_dtype_enabled", True):
-        x_dtype = a_weight.dtype
-        if not (bare_a and _autocast_round_trip(x, a_weight.dtype)):
-            x = module._cast_input_dtype(x, a_weight.dtype)
-    h = F.linear(x, a_weight) if bare_a else lora_A(x)
     b_weight = lora_B._parameters["weight"]
     plain_b = _bare_linear(lora_B) and lora_B._parameters["bias"] is None
     fuse_b = plain_b and opts.fuse_lora_b  # lora_B's product inside the composition's node (FastDoraLinearLayer's rule)
+    x_dtype = x.dtype  # the dtype PEFT's LoRA branch computes in (eps below)
+    cast_x = False
+    if x_dtype != a_weight.dtype and getattr(module, "cast_input_dtype_enabled", True):
+        x_dtype = a_weight.dtype
+        cast_x = not (bare_a and _autocast_round_trip(x, a_weight.dtype))
+    if bare_base and bare_a and plain_b and not (fuse_b or cast_x) and opts.layer_node:
+        weight = base._parameters["weight"]
+        node = None
+        if base._parameters["bias"] is None and not weight.requires_grad:
+            node = _dispatch.layer_node(x, weight, mag._parameters["weight"], opts.kernels)
+        if node is not None:  # the whole layer as one autograd node (the C++ node's dora_linear)
+            norm = _lean_norm(mag, a, opts, base, lora_A, lora_B, a_weight, b_weight, scaling)
+            mag._fd_peft_cache(a, norm)
+            record(_LINEAR_TRITON)
+            m = mag._parameters["weight"]
+            discard = m.requires_grad and torch.is_grad_enabled() and _compose_ops.saves_discarded()
+            return node.dora_linear(x, weight, a_weight, b_weight, m, norm, float(scaling), eps_for(x_dtype), discard)
+    if bare_base:
+        result = F.linear(x, base._parameters["weight"], base._parameters["bias"])
+    else:
+        result = base(x)
+    if cast_x:
+        x = module._cast_input_dtype(x, a_weight.dtype)
+    h = F.linear(x, a_weight) if bare_a else lora_A(x)
     lora = None if fuse_b else (F.linear(h, b_weight) if plain_b else lora_B(h))
     base_layer = base if "base_layer" not in base._modules else module.get_base_layer()
-    # the norm: a cache hit checked here with _fd_weight_norm's key (_local_key); anything else through that method
-    norm = None
-    cache = mag.__dict__.get("_fastdora_norm")
-    hit = cache.get(a) if cache else None
-    if hit is not None and opts.cache_norm:
-        key, wkey = _local_key(_stored_weight(base_layer), a_weight, b_weight, scaling)
-        if key is not None and wkey is not None and hit[0] == key:
-            record("norm:cached")
-            norm = hit[1]
-    if norm is None:
-        norm = mag._fd_linear_norm(base_layer, lora_A, lora_B, scaling, a)
+    norm = _lean_norm(mag, a, opts, base_layer, lora_A, lora_B, a_weight, b_weight, scaling)
     mag._fd_peft_cache(a, norm)
     if fuse_b:
         return dora_compose_lora_b(result, h, b_weight, mag._parameters["weight"], norm, scaling, eps_for(x_dtype),
@@ -751,6 +758,54 @@ def lean_linear_forward(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
     return dora_compose(result, lora, mag._parameters["weight"], norm, scaling, eps_for(x_dtype),
                         bias=getattr(base_layer, "bias", None), out_dtype=result.dtype, kernels=opts.kernels,
                         kind="linear")
+
+
+_LINEAR_TRITON = path_key("linear", "triton")
+_TOP_SAVED_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _recompute_pack_codes() -> frozenset:
+    """Code objects of the pack hook non-reentrant ``torch.utils.checkpoint`` installs around its recomputation."""
+    try:
+        from torch.utils import checkpoint as _ckpt
+
+        consts = _ckpt._recomputation_hook.__init__.__code__.co_consts
+    except Exception:  # pragma: no cover - another torch layout: the lean forward waits for a hook-free call
+        return frozenset()
+    return frozenset(c for c in consts if getattr(c, "co_name", None) == "pack_hook")
+
+
+def _lean_norm(mag, a, opts, base_layer, lora_A, lora_B, a_weight, b_weight, scaling):
+    """The lean forward's norm: a cache hit checked here with ``_fd_weight_norm``'s key (``_local_key``); anything
+    else through that method."""
+    cache = mag.__dict__.get("_fastdora_norm")
+    hit = cache.get(a) if cache else None
+    if hit is not None and opts.cache_norm:
+        key, wkey = _local_key(_stored_weight(base_layer), a_weight, b_weight, scaling)
+        if key is not None and wkey is not None and hit[0] == key:
+            record("norm:cached")
+            return hit[1]
+    return mag._fd_linear_norm(base_layer, lora_A, lora_B, scaling, a)
+
+
+_RECOMPUTE_PACK_CODES = _recompute_pack_codes()
+
+
+def lean_install_safe() -> bool:
+    """Whether a module's first call (PEFT's forward chain) may install the lean forward for its later calls: not while
+    saved tensors go through hooks other than a checkpoint recomputation's. The lean forward's graph can differ from
+    the chain's (the whole-layer node saves three tensors where the chain's nodes save six), and non-reentrant
+    checkpointing requires its recomputation to save exactly what its first forward saved: a module first called in
+    a checkpoint's first forward installs it in that checkpoint's recomputation (after which its first forward and
+    recomputation both take it). ``fastdora.enable(model)`` installs it up front; this covers layers PEFT creates
+    later (process-wide mode)."""
+    hooks = _TOP_SAVED_HOOKS(False) if _TOP_SAVED_HOOKS is not None else None
+    if hooks is None:
+        return True
+    fn = hooks[0]
+    while hasattr(fn, "__wrapped__"):  # torch wraps the recomputation's hook (e.g. to keep dynamo out of it)
+        fn = fn.__wrapped__
+    return getattr(fn, "__code__", None) in _RECOMPUTE_PACK_CODES
 
 
 def install_lean_forward(module: nn.Module) -> bool:

@@ -121,6 +121,7 @@ def _convert_model(model: nn.Module, options: _config.Options, report: EnableRep
                 mag.__dict__["_fastdora_options"] = options
                 mag._fd_invalidate()
                 report.already += 1
+                _install_lean(module, mag, options)
                 continue
             reason = _why_unsupported(module, adapter, variant, mag)
             if reason is not None:
@@ -131,8 +132,17 @@ def _convert_model(model: nn.Module, options: _config.Options, report: EnableRep
             mag.__dict__["_fastdora_options"] = options
             mag._fd_invalidate()
             module.lora_variant[adapter] = _layers.FAST_OF[type(variant)]()
+            _install_lean(module, mag, options)
             kind = _KIND_NAMES[fast_layer]
             report.converted[kind] = report.converted.get(kind, 0) + 1
+
+
+def _install_lean(module: nn.Module, mag: nn.Module, options: _config.Options) -> None:
+    """The lean forward from the first call on (``fastdora.layers.install_lean_forward``; it checks every call's
+    conditions itself): the first call then takes the same path as every later one, also in a checkpoint's first
+    forward and its recomputation."""
+    if options.lean_forward and type(mag) is _layers.FastDoraLinearLayer:
+        _layers.install_lean_forward(module)
 
 
 def _set_peft_globals(fast: bool) -> None:

@@ -757,6 +757,285 @@ if _INNER:
             torch._dynamo.reset()
         _assert_bitwise([y.detach(), result.grad, lora.grad, mag.grad], ref, "compiled autograd, C++ node")
 
+    # (x / base weight, adapters / magnitude) dtypes and CPU autocast of the whole-layer node's cases
+    DTYPES_L = {
+        "fp32": (torch.float32, torch.float32, False),
+        "bf16": (torch.bfloat16, torch.bfloat16, False),  # pure bf16
+        "amp": (torch.bfloat16, torch.float32, True),  # HF Trainer's AMP on a bf16 model: fp32 adapters, autocast
+        "amp_fp32_model": (torch.float32, torch.float32, True),  # AMP on an fp32 model: autocast casts x and W too
+    }
+
+    def _layer_problem(dname, shape, n, r, need=(True, True, True, True), seed=1):
+        """Two DoRA Linear layers reading one input (q / k style): (x leaf, [(W, A, B, magnitude, norm)] * 2, dys)."""
+        xdt, adt, _ = DTYPES_L[dname]
+        g = torch.Generator().manual_seed(seed)
+        k = shape[-1]
+        x = torch.randn(shape, generator=g).to(xdt).requires_grad_(need[0])
+        layers = []
+        for _ in range(2):
+            w = (torch.randn(n, k, generator=g) * 0.2).to(xdt)
+            a = (torch.randn(r, k, generator=g) * 0.2).to(adt).requires_grad_(need[1])
+            b = (torch.randn(n, r, generator=g) * 0.2).to(adt).requires_grad_(need[2])
+            m = (torch.rand(n, generator=g) + 0.5).to(adt).requires_grad_(need[3])
+            layers.append((w, a, b, m, torch.rand(n, generator=g) + 0.5))
+        dys = [torch.randn(tuple(shape[:-1]) + (n,), generator=g) for _ in range(2)]
+        return x, layers, dys
+
+    def _run_layers(prob, dname, use_layer, ckpt=False, scale=0.7, eps=1e-6):
+        """Both layers' forward + backward, as the node's ``dora_linear`` (``use_layer``) or as the separate nodes
+        the lean forward runs otherwise (three ``F.linear`` and the C++ composition node); the input goes through
+        an op first, so that its two layers' four gradient contributions are accumulated by autograd in order.
+        Returns [y0, y1 (or the checkpointed loss), x.grad, then A, B, magnitude grads of each layer]."""
+        import torch.nn.functional as F
+        from torch.utils.checkpoint import checkpoint
+
+        from fastdora.ops.compose import saves_discarded
+
+        x0, layers, dys = prob
+        x0 = x0.detach().requires_grad_(x0.requires_grad)
+        layers = [(w, a.detach().requires_grad_(a.requires_grad), b.detach().requires_grad_(b.requires_grad),
+                   m.detach().requires_grad_(m.requires_grad), n) for w, a, b, m, n in layers]
+        autocast = DTYPES_L[dname][2]
+
+        def fn(x_in):
+            x = x_in * 1.0 if x_in.requires_grad else x_in
+            outs = []
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                for w, a, b, m, n in layers:
+                    if use_layer:
+                        discard = saves_discarded()
+                        y = native.NODE.dora_linear(x, w, a, b, m, n, scale, eps, discard)
+                    else:
+                        res = F.linear(x, w)
+                        y = kc.TRITON.apply(res, F.linear(F.linear(x, a), b), m, n, None, None, scale, eps, res.dtype)
+                    assert type(y.grad_fn).__name__ == "CppFunction"
+                    outs.append(y)
+            return outs
+
+        if ckpt:
+            loss = checkpoint(lambda x_in: sum((o.float() * d).sum() for o, d in zip(fn(x_in), dys)), x0,
+                              use_reentrant=False)
+            outs = [loss]
+        else:
+            outs = fn(x0)
+            loss = sum((o.float() * d).sum() for o, d in zip(outs, dys))
+        loss.backward()
+        return [o.detach() for o in outs] + [x0.grad] + [t.grad for layer in layers for t in layer[1:4]]
+
+    @pytest.mark.parametrize("dname", list(DTYPES_L))
+    def test_layer_node_bitwise_vs_separate_nodes(dname):
+        """The whole DoRA Linear layer as one C++ node (``dora_linear``): its output and every gradient (input,
+        lora_A, lora_B, magnitude of two layers sharing the input) bitwise those of the separate nodes, plain and
+        under non-reentrant checkpointing, at odd shapes incl. one row, rank 1 and one input feature (the layouts
+        where autograd's mm derivatives take their column-major branch); first calls and templates."""
+        shapes = [((2, 3, 24), 40, 4), ((7, 17), 24, 1), ((1, 24), 16, 1), ((1, 1, 1), 16, 3), ((5, 1), 8, 2)]
+        before = native.NODE.stats()["layer"]
+        for shape, n, r in shapes:
+            prob = _layer_problem(dname, shape, n, r)
+            for ckpt in (False, True):
+                ref = _run_layers(prob, dname, False, ckpt)
+                for attempt in ("first", "again"):
+                    _assert_bitwise(_run_layers(prob, dname, True, ckpt), ref,
+                                    f"{dname} {shape} n={n} r={r} ckpt={ckpt} ({attempt})")
+        # 2 layers x 2 runs per case; checkpointing: the first forward and the recomputation
+        assert native.NODE.stats()["layer"] - before == len(shapes) * (2 * 2 + 2 * 2 * 2)
+
+    @pytest.mark.parametrize("need", [(False, True, True, True), (True, False, True, True), (True, True, False, True),
+                                      (True, True, True, False), (False, False, False, True),
+                                      (True, False, False, False), (False, True, False, False)])
+    def test_layer_node_partial_input_grads(need):
+        """Frozen input / lora_A / lora_B / magnitude: only the requested gradients, bitwise the separate nodes'."""
+        for dname in ("fp32", "amp"):
+            prob = _layer_problem(dname, (3, 5, 24), 32, 4, need=need, seed=5)
+            _assert_bitwise(_run_layers(prob, dname, True), _run_layers(prob, dname, False), f"{dname} need={need}")
+
+    def test_layer_node_inference_and_saved_tensors():
+        """No grad: the same output as the separate path's inference composition, no graph. With grad: what the
+        node saves through the saved-tensor hooks is x, lora_A's output and inner (three activations)."""
+        import torch.nn.functional as F
+
+        x, layers, _ = _layer_problem("bf16", (4, 24), 40, 4)
+        w, a, b, m, n = layers[0]
+        with torch.no_grad():
+            y = native.NODE.dora_linear(x, w, a, b, m, n, 0.5, 1e-6, False)
+            res = F.linear(x, w)
+            ref = kc.TRITON.compose_fwd(res, F.linear(F.linear(x, a), b), m, n, 0.5, 1e-6, None, None, res.dtype,
+                                        False)[0]
+        assert y.grad_fn is None and torch.equal(y, ref)
+        with torch.inference_mode():  # inference tensors (no version counters)
+            xi, wi, ai, bi, mi, ni = (t.clone() for t in (x, w, a, b, m, n))
+            assert torch.equal(native.NODE.dora_linear(xi, wi, ai, bi, mi, ni, 0.5, 1e-6, False), ref)
+        packed = []
+
+        def pack(t):
+            packed.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            native.NODE.dora_linear(x.detach().requires_grad_(), w, a, b, m, n, 0.5, 1e-6, False)
+        assert packed == [(4, 24), (4, 4), (4, 40)], packed
+
+    @pytest.mark.parametrize("which", ["base", "lora_A", "lora_B"])
+    def test_layer_node_weight_modified_in_place_raises(which):
+        """A weight the backward reads, changed in place after the forward: autograd's error, naming the weight;
+        the same change to a weight no requested gradient reads (lora_A's with a frozen input) is not an error,
+        as with the separate nodes (lora_A's node saves its weight only for the input's gradient)."""
+        x, layers, dys = _layer_problem("fp32", (4, 24), 40, 4)
+        w, a, b, m, n = layers[0]
+        weight = {"base": w, "lora_A": a, "lora_B": b}[which]
+        y = native.NODE.dora_linear(x, w, a, b, m, n, 0.5, 1e-6, False)
+        with torch.no_grad():
+            weight.mul_(2)
+        with pytest.raises(RuntimeError, match=f"modified by an inplace operation.*{which}"):
+            y.backward(dys[0])
+        if which == "lora_A":
+            x_frozen = x.detach()
+            y = native.NODE.dora_linear(x_frozen, w, a, b, m, n, 0.5, 1e-6, False)
+            with torch.no_grad():
+                a.mul_(2)
+            y.backward(dys[0])
+            assert b.grad is not None and a.grad is not None
+
+    def test_layer_node_placeholder_reaching_backward_raises():
+        x, layers, dys = _layer_problem("fp32", (4, 24), 40, 4)
+        w, a, b, m, n = layers[0]
+        y = native.NODE.dora_linear(x, w, a, b, m, n, 0.5, 1e-6, True)
+        with pytest.raises(RuntimeError, match="discarded by gradient checkpointing"):
+            y.backward(dys[0])
+
+    def test_lean_forward_layer_node_selection(monkeypatch):
+        """The lean forward takes the whole-layer node exactly where it is exact: not with a base-layer bias, a
+        trainable base weight, ``fuse_lora_b``, PEFT's input cast (fp32 adapters on bf16 activations without
+        autocast), ``layer_node=False``, or where the dispatch says the eager path; outputs and gradients are
+        bitwise the same either way."""
+        import fastdora
+        from fastdora import dispatch
+        from peft import LoraConfig, get_peft_model
+        from torch import nn
+
+        from .helpers import perturb_
+
+        def build(bias, dtype, **opts):
+            torch.manual_seed(0)
+            base = nn.Sequential(nn.Linear(32, 48, bias=bias), nn.GELU(), nn.Linear(48, 16, bias=False))
+            pm = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["0", "2"], use_dora=True))
+            perturb_(pm)
+            pm.to(dtype)
+            if dtype == torch.bfloat16 and opts.pop("fp32_adapters", False):
+                for n_, p in pm.named_parameters():
+                    if p.requires_grad:
+                        p.data = p.data.float()
+            fastdora.enable(pm, **opts)
+            return pm
+
+        def run(pm, dtype, use_layer):
+            monkeypatch.setattr(dispatch, "compose_impl", lambda *a, **k: kc.TRITON)
+            monkeypatch.setattr(dispatch, "layer_node", (lambda x, w, m, k: kc.layer_node(x)) if use_layer
+                                else (lambda *a: None))
+            x = torch.randn(5, 32, generator=torch.Generator().manual_seed(2)).to(dtype)
+            before = native.NODE.stats()["layer"]
+            y = pm(x)
+            y.float().square().sum().backward()
+            return native.NODE.stats()["layer"] - before, [y.detach()] + [p.grad for p in pm.parameters()
+                                                                          if p.requires_grad]
+
+        cases = [(dict(bias=False, dtype=torch.float32), 2), (dict(bias=True, dtype=torch.float32), 1),
+                 (dict(bias=False, dtype=torch.bfloat16), 2),
+                 (dict(bias=False, dtype=torch.bfloat16, fp32_adapters=True), 0),
+                 (dict(bias=False, dtype=torch.float32, fuse_lora_b=True), 0),
+                 (dict(bias=False, dtype=torch.float32, layer_node=False), 0)]
+        for kw, want in cases:
+            dtype = kw["dtype"]
+            n_layer, got = run(build(**kw), dtype, True)
+            n_sep, ref = run(build(**kw), dtype, False)
+            assert (n_layer, n_sep) == (want, 0), (kw, n_layer, n_sep)
+            _assert_bitwise(got, ref, str(kw))
+        pm = build(bias=False, dtype=torch.float32)
+        pm.base_model.model[0].base_layer.weight.requires_grad_(True)  # a trainable base weight: separate nodes
+        assert run(pm, torch.float32, True)[0] == 1
+
+    def test_node_entry_argument_errors():
+        """Each fast-call entry names itself and its argument count; a flag whose truth value raises propagates."""
+        x, layers, _ = _layer_problem("fp32", (4, 24), 40, 4)
+        w, a, b, m, n = layers[0]
+
+        class Bad:
+            def __bool__(self):
+                raise ValueError("no truth value")
+
+        for fn, args in ((native.NODE.dora_linear, (x, w, a, b, m, n, 0.5, 1e-6)),
+                         (native.NODE.compose, (x, x, m, n, None, 0.5, 1e-6, torch.float32)),
+                         (native.NODE.compose_b, (x, x, b, m, n, None, 0.5, 1e-6, None))):
+            name = fn.__name__
+            want = len(args) + 1
+            with pytest.raises(TypeError, match=f"{name} takes {want} arguments"):
+                fn(*args)
+            with pytest.raises(ValueError, match="no truth value"):
+                fn(*args, Bad())
+
+    @pytest.mark.parametrize("mode", ["model", "process_wide"])
+    def test_layer_node_first_call_inside_checkpoint(mode, monkeypatch):
+        """A model whose very first call runs inside non-reentrant checkpointing (HF Trainer with gradient
+        checkpointing): the checkpoint's first forward and its recomputation must save the same tensors, so the
+        whole-layer node must serve both or neither. ``enable(model)`` installs the lean forward up front; in
+        process-wide mode a layer's first call installs it only outside a checkpoint's first forward (in the
+        recomputation). Two checkpointed steps run without a CheckpointError, bitwise the separate nodes' results."""
+        import fastdora
+        from fastdora import dispatch
+        from peft import LoraConfig, get_peft_model
+        from torch import nn
+        from torch.utils.checkpoint import checkpoint
+
+        from .helpers import perturb_
+
+        monkeypatch.setattr(dispatch, "compose_impl", lambda *a, **k: kc.TRITON)
+
+        def train(use_layer):
+            monkeypatch.setattr(dispatch, "layer_node", (lambda x, w, m, k: kc.layer_node(x)) if use_layer
+                                else (lambda *a: None))
+            torch.manual_seed(0)
+            base = nn.Sequential(nn.Linear(32, 48, bias=False), nn.GELU(), nn.Linear(48, 16, bias=False))
+            if mode == "process_wide":
+                fastdora.enable()
+            try:
+                pm = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["0", "2"], use_dora=True))
+                if mode == "model":
+                    fastdora.enable(pm)
+            finally:
+                if mode == "process_wide":
+                    fastdora.disable()
+            perturb_(pm)
+            before = native.NODE.stats()["layer"]
+            out = []
+            for step in range(2):
+                x = torch.randn(5, 32, generator=torch.Generator().manual_seed(step)).requires_grad_()
+                y = checkpoint(pm, x, use_reentrant=False)
+                y.square().sum().backward()
+                out += [y.detach(), x.grad]
+            return native.NODE.stats()["layer"] - before, out + [p.grad for p in pm.parameters() if p.requires_grad]
+
+        n_layer, got = train(True)
+        n_sep, ref = train(False)
+        # model: 2 layers x (first forward + recomputation) x 2 steps; process-wide: the first step's first forward
+        # and recomputation take PEFT's chain (the recomputation installs the lean forward)
+        assert (n_layer, n_sep) == (8 if mode == "model" else 4, 0), (n_layer, n_sep)
+        _assert_bitwise(got, ref, mode)
+
+    def test_dispatch_layer_node_rules(monkeypatch):
+        from fastdora import dispatch
+
+        x, w, m = torch.randn(4, 8), torch.randn(16, 8), torch.randn(16)
+        assert dispatch.layer_node(x, w, m, "auto") is None  # CPU tensors: the eager path, no node
+        assert dispatch.layer_node(x, w, m, "triton") is None
+        assert kc.layer_node(x) is native.NODE
+        assert kc.layer_node(x.t()) is None and kc.layer_node(torch.randn(8)) is None  # strided, 1-D
+        saved = native.NODE
+        native.NODE = None
+        try:
+            assert kc.layer_node(x) is None  # the Python node's process: no C++ node, no whole-layer call
+        finally:
+            native.NODE = saved
+
     @pytest.mark.parametrize("fuse", [False, True], ids=["", "fuse_lora_b"])
     def test_peft_model_through_the_node(fuse):
         """A PEFT DoRA model converted by fastdora with kernels='triton' on CPU tensors is not routed to Triton
@@ -778,11 +1057,13 @@ if _INNER:
             fastdora.enable(pm, fuse_lora_b=fuse)
             return pm
 
-        real = dispatch.compose_impl
+        real, real_layer = dispatch.compose_impl, dispatch.layer_node
         dispatch.compose_impl = lambda *a, **k: kc.TRITON
+        dispatch.layer_node = lambda x, w, m, k: kc.layer_node(x)  # as on CUDA: the whole-layer node where active
         try:
             outs = []
             for use_node in (False, True, True):
+                layer_calls = native.NODE.stats()["layer"]
                 pm = build()
                 x = torch.randn(5, 32, generator=torch.Generator().manual_seed(2))
                 saved = native.NODE
@@ -795,9 +1076,11 @@ if _INNER:
                     y.square().sum().backward()
                 finally:
                     native.NODE = saved
+                # the whole-layer node serves the bias-free layer where it is active (not with fuse_lora_b)
+                assert native.NODE.stats()["layer"] - layer_calls == (1 if use_node and not fuse else 0)
                 outs.append([y.detach()] + [p.grad for p in pm.parameters() if p.requires_grad])
         finally:
-            dispatch.compose_impl = real
+            dispatch.compose_impl, dispatch.layer_node = real, real_layer
         _assert_bitwise(outs[1], outs[0], "peft model, C++ node (first)")
         _assert_bitwise(outs[2], outs[0], "peft model, C++ node (again)")
 
@@ -869,7 +1152,7 @@ def test_gpu_peft_model_checkpointed(gpu_node, setup, fuse):
         pm = build()
         saved = native.NODE
         native.NODE = saved if use_node else None
-        fast, native_before = saved.stats()["fast"], saved.stats()["native"]
+        fast, native_before, layer_before = saved.stats()["fast"], saved.stats()["native"], saved.stats()["layer"]
         try:
             for _ in range(2):  # the second step: norms cached, templates registered
                 with torch.autocast("cuda", dtype=torch.bfloat16, enabled=setup == "amp"):
@@ -880,6 +1163,9 @@ def test_gpu_peft_model_checkpointed(gpu_node, setup, fuse):
         if use_node:
             assert saved.stats()["fast"] > fast, "the C++ node's templates were never used"
             assert saved.stats()["native"] > native_before, "the C++ node never launched directly"
+            # every DoRA layer call (7 per decoder layer, first forward and recomputation, 2 steps) as ONE node,
+            # except with fuse_lora_b (its own node)
+            assert saved.stats()["layer"] - layer_before == (0 if fuse else 2 * 7 * 2 * 2), saved.stats()
         outs.append([loss.detach()] + [p.grad for p in pm.parameters() if p.requires_grad])
         torch.cuda.synchronize()
     _assert_bitwise(outs[1], outs[0], setup + ": C++ node vs Python node")

@@ -725,6 +725,17 @@ if AVAILABLE:
         return node.compose_b(result, h, lora_b, magnitude, norm, bias, float(scale), float(eps), out_dtype, discard)
 
     _TRANSFORMS_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", None) or (lambda: True)
+    _DISPATCH_MODES = getattr(torch._C, "_len_torch_dispatch_stack", None)
+
+    def layer_node(x):
+        """The C++ node for a whole-layer call (``dispatch.layer_node``): active, no functorch transforms, no Python
+        dispatch mode (selective activation checkpointing matches the separate nodes' ops), a contiguous input of
+        at least two dims; None otherwise."""
+        node = _native.NODE if _native.NODE is not None else _native.first_node(x)
+        if (node is None or _TRANSFORMS_ACTIVE() or _DISPATCH_MODES is None or _DISPATCH_MODES()
+                or x.dim() < 2 or not x.is_contiguous()):
+            return None
+        return node
 
     TRITON.apply = _apply
     TRITON.apply_lora_b = _apply_lora_b

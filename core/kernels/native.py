@@ -10,7 +10,10 @@ pointers, stream and scalars and calls the compiled launcher, from C++. Whatever
 call, unaligned pointers, a CUDA graph capture in the backward, Triton launch hooks) runs through those Python
 launchers, called from the node. Outputs and gradients are bitwise those of the Python node (same kernels, same
 configs; tests/test_native_node.py, tests/test_gpu_layers.py). ``compose_b`` is the same node with ``lora_B``'s
-product inside (``fuse_lora_b``): it replaces ``fastdora.ops.compose._DoraComposeLoraB``, bitwise.
+product inside (``fuse_lora_b``): it replaces ``fastdora.ops.compose._DoraComposeLoraB``, bitwise. ``dora_linear``
+is a whole DoRA Linear layer (base product, ``lora_A``, ``lora_B``, composition) as one node (option ``layer_node``,
+called from ``fastdora.layers.lean_linear_forward`` through ``fastdora.dispatch.layer_node``): bitwise the separate
+nodes' results, three saved activations under gradient checkpointing instead of six saved tensors.
 
 Where the layout of a template's kernel parameters is known (``_native_layout``: Triton's ``CompiledKernel`` signature
 minus its constexprs, then the global and profile scratch pointers), the template also carries it and the node

@@ -22,8 +22,18 @@
 // dlopen (no CUDA toolkit at build time). Where it is unavailable, no context is current, or the native launch is
 // switched off (FASTDORA_NATIVE_LAUNCH=0), the template's Triton launcher runs as before.
 //
+// LinearNode (session 27): a whole DoRA Linear layer -- the base layer's product (no bias), lora_A's, lora_B's and the
+// composition -- as one autograd node, called once per layer forward from fastdora.layers.lean_linear_forward. Under
+// gradient checkpointing the separate nodes' saved tensors (W, x, A, h, B, inner: six Python pack hooks in the
+// first forward, six in the recomputation, six unpack hooks) become three (x, h, inner), and the per-node autograd and
+// Python work of three linears goes. Its forward runs the same ATen ops (at::linear, under autocast where it is on)
+// and the same composition kernel; its backward the same matmuls as autograd's mm derivatives (mm_mat1_backward /
+// mm_mat2_backward, incl. their column-major branch) and the same composition backward, and it hands x's two gradient
+// contributions (lora_A's, then the base layer's) to autograd through two edges to x, so that they are accumulated
+// one at a time in the order of the separate nodes: outputs and every gradient bitwise those of the separate nodes.
+//
 // Module functions (Python): configure(...), load_driver(), set_native_launch(on), register(...), clear(),
-// compose(...), compose_b(...), stats().
+// compose(...), compose_b(...), dora_linear(...), stats().
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -119,6 +129,7 @@ PyObject* g_lora_b_coefs = nullptr;  // (magnitude, norm, eps, scale, acc64, lor
                                      //   -> (B's rows scaled by g * s, or None; the [d_out, 1] g * s, or None)
 int64_t g_fast = 0, g_slow = 0;      // launches through templates / through the Python launchers
 int64_t g_native = 0;                // of the template launches: direct (cuLaunchKernel)
+int64_t g_layer = 0;                 // dora_linear calls (whole-layer nodes and inference calls)
 bool g_host_templates = false;       // tests: compiled-launcher templates on CPU tensors (their argument layout)
 bool g_native_on = true;             // FASTDORA_NATIVE_LAUNCH (set by the Python side)
 bool g_record = false;               // tests: record direct launches instead of making them (CPU)
@@ -586,6 +597,135 @@ struct ComposeBNode : public torch::autograd::Function<ComposeBNode> {
   }
 };
 
+// autograd's derivatives of mm(mat1, mat2) (torch/csrc/autograd/FunctionsManual.cpp: mm_mat1_backward /
+// mm_mat2_backward, strided layouts): a column-major input gets its gradient as the transpose of a product. mat1's
+// layout is given by its rows and strides (it need not be at hand).
+at::Tensor mm_mat1_backward(const at::Tensor& grad, const at::Tensor& mat2, int64_t rows, int64_t s0, int64_t s1) {
+  if (s0 == 1 && s1 == rows) return mat2.mm(grad.t()).t();
+  return grad.mm(mat2.t());
+}
+
+at::Tensor mm_mat2_backward(const at::Tensor& grad, const at::Tensor& mat1, const at::Tensor& mat2) {
+  if (mat2.stride(0) == 1 && mat2.stride(1) == mat2.size(0)) return grad.t().mm(mat1).t();
+  return mat1.t().mm(grad);
+}
+
+// a linear's input as the [rows, features] matrix its mm reads (at::matmul folds leading dims into rows)
+at::Tensor as_rows(const at::Tensor& t) { return t.dim() == 2 ? t : t.reshape({-1, t.size(-1)}); }
+
+struct LinearExtra {  // dora_linear's non-differentiable inputs
+  at::Tensor weight, norm;  // the frozen base weight [d_out, d_in]; the detached norm
+  double scale, eps;
+  bool discard = false;     // checkpointing discards what the node saves (placeholder for inner)
+  bool train = true;        // grad mode was on at the call: save what the backward needs
+};
+
+// version counters of the weights the backward reads (an in-place change in between is an error, as autograd's)
+void check_version(AutogradContext* ctx, const char* key, const at::Tensor& t, const char* what) {
+  const int64_t want = ctx->saved_data[key].toInt();
+  TORCH_CHECK(want == static_cast<int64_t>(t._version()),
+              "one of the variables needed for gradient computation has been modified by an inplace operation: "
+              "fastdora's DoRA Linear node: ", what, " is at version ", t._version(), "; expected version ", want,
+              " instead");
+}
+
+struct LinearNode : public torch::autograd::Function<LinearNode> {
+  // inputs: x twice (lora_A's input, then the base layer's: two edges), lora_A's and lora_B's weights, magnitude
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& x_base, const at::Tensor& a,
+                            const at::Tensor& b, const at::Tensor& magnitude, const LinearExtra& le) {
+    // the separate nodes' forward ops, in their order (under autocast: its casts, as F.linear's)
+    const at::Tensor result = at::linear(x_base, le.weight);
+    const at::Tensor h = at::linear(x, a);
+    const at::Tensor lora = at::linear(h, b);
+    Extra ex;
+    ex.norm = le.norm;
+    ex.scale = le.scale;
+    ex.eps = le.eps;
+    ex.out_dtype = result.scalar_type();
+    const bool need_dm = le.train && magnitude.requires_grad();
+    auto yi = run_fwd(result, lora, magnitude, ex, need_dm && !le.discard);
+    if (!le.train) return yi.first;
+    at::Tensor inner = yi.second;
+    if (need_dm && le.discard) inner = placeholder(result, lora);
+    save_common(ctx, magnitude, ex, result, lora, need_dm);
+    const at::Tensor x2 = as_rows(x), h2 = as_rows(h);
+    auto& sd = ctx->saved_data;
+    sd["w"] = le.weight;
+    sd["a"] = a;
+    sd["b"] = b;
+    sd["vw"] = static_cast<int64_t>(le.weight._version());
+    sd["va"] = static_cast<int64_t>(a._version());
+    sd["vb"] = static_cast<int64_t>(b._version());
+    sd["xsz"] = x.sizes().vec();
+    sd["xd"] = st(x);
+    sd["xl"] = std::vector<int64_t>{x2.size(0), x2.stride(0), x2.stride(1), h2.stride(0), h2.stride(1)};
+    // what the backward reads of the activations: x for A's gradient, h for B's, inner for the magnitude's
+    ctx->save_for_backward({a.requires_grad() ? x : at::Tensor(), b.requires_grad() ? h : at::Tensor(),
+                            need_dm ? inner : at::Tensor()});
+    return yi.first;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const bool need_xa = ctx->needs_input_grad(0), need_xb = ctx->needs_input_grad(1);
+    const bool need_da = ctx->needs_input_grad(2), need_db = ctx->needs_input_grad(3);
+    auto& sd = ctx->saved_data;
+    const bool has_dm = sd["dm"].toBool();
+    const bool need_dm = has_dm && ctx->needs_input_grad(4);
+    variable_list out(6);
+    // the separate composition node's flags: d_result for the base layer (x), d_lora for lora_B (x, A or B)
+    const bool need_dres = need_xb, need_dlora = need_xa || need_da || need_db;
+    if (!(need_dres || need_dlora || need_dm)) return out;
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor weight = sd["w"].toTensor(), a = sd["a"].toTensor(), b = sd["b"].toTensor();
+    // the weights each gradient reads (the separate nodes' saved weights): W and A for x's, B for x's and A's
+    if (need_xb) check_version(ctx, "vw", weight, "the base weight");
+    if (need_xa) check_version(ctx, "va", a, "lora_A's weight");
+    if (need_xa || need_da) check_version(ctx, "vb", b, "lora_B's weight");
+    const at::Tensor inner = has_dm ? saved_inner(saved[2]) : at::Tensor();
+    const at::Tensor dy = grads[0].contiguous();
+    const auto ld = static_cast<at::ScalarType>(sd["ld"].toInt());
+    std::vector<at::Tensor> g;
+    {
+      GIL gil;
+      g = run_bwd(dy, inner, sd["m"].toTensor(), sd["n"].toTensor(), sd["s"].toDouble(), sd["e"].toDouble(),
+                  static_cast<at::ScalarType>(sd["rd"].toInt()), ld, need_dres, need_dlora, need_dm);
+    }
+    out[4] = need_dm ? g[2] : at::Tensor();
+    const auto xl = sd["xl"].toIntVector();  // x's and h's [rows, features] layouts in the forward's mm
+    const auto xsz = sd["xsz"].toIntVector();
+    const int64_t N = dy.size(-1);
+    if (need_dlora) {
+      // lora_B's and lora_A's products ran in lora's dtype (autocast's casts of fp32 adapters, as F.linear's)
+      const at::Tensor dl = g[1].reshape({-1, N});
+      const at::Tensor bc = b.scalar_type() == ld ? b : b.to(ld);
+      if (need_db) {
+        const at::Tensor d = mm_mat2_backward(dl, as_rows(saved[1]), bc.t()).t();
+        out[3] = d.scalar_type() == b.scalar_type() ? d : d.to(b.scalar_type());
+      }
+      if (need_xa || need_da) {
+        const at::Tensor ac = a.scalar_type() == ld ? a : a.to(ld);
+        const at::Tensor dh = mm_mat1_backward(dl, bc.t(), xl[0], xl[3], xl[4]);  // lora_B's input gradient
+        if (need_da) {
+          const at::Tensor x = saved[0].scalar_type() == ld ? saved[0] : saved[0].to(ld);  // autocast's cast of x
+          const at::Tensor d = mm_mat2_backward(dh, as_rows(x), ac.t()).t();
+          out[2] = d.scalar_type() == a.scalar_type() ? d : d.to(a.scalar_type());
+        }
+        if (need_xa) out[0] = mm_mat1_backward(dh, ac.t(), xl[0], xl[1], xl[2]).reshape(xsz);
+      }
+    }
+    if (need_xb) {  // the base product ran in result's dtype (autocast's casts of fp32 x and W, as F.linear's)
+      const auto rd = static_cast<at::ScalarType>(sd["rd"].toInt());
+      const at::Tensor wc = weight.scalar_type() == rd ? weight : weight.to(rd);
+      out[1] = mm_mat1_backward(g[0].reshape({-1, N}), wc.t(), xl[0], xl[1], xl[2]).reshape(xsz);
+    }
+    // x's gradients in x's dtype (autograd's cast back through autocast's cast of x)
+    const auto xd = static_cast<at::ScalarType>(sd["xd"].toInt());
+    for (int i = 0; i < 2; ++i)
+      if (out[i].defined() && out[i].scalar_type() != xd) out[i] = out[i].to(xd);
+    return out;
+  }
+};
+
 PyObject* py_configure(PyObject*, PyObject* args) {
   PyObject *f, *b, *c, *h, *k, *lb;
   if (!PyArg_ParseTuple(args, "OOOOOO", &f, &b, &c, &h, &k, &lb)) return nullptr;
@@ -602,7 +742,7 @@ PyObject* py_configure(PyObject*, PyObject* args) {
 PyObject* py_clear(PyObject*, PyObject*) {
   g_templates.clear();
   g_counts.clear();
-  g_fast = g_slow = g_native = 0;
+  g_fast = g_slow = g_native = g_layer = 0;
   Py_RETURN_NONE;
 }
 
@@ -650,8 +790,9 @@ PyObject* py_record_native(PyObject*, PyObject* arg) {
 PyObject* py_host_templates(PyObject*, PyObject* arg) { return set_flag(g_host_templates, arg); }
 
 PyObject* py_stats(PyObject*, PyObject*) {
-  return Py_BuildValue("{s:L,s:L,s:L,s:n,s:O}", "fast", static_cast<long long>(g_fast), "slow",
-                       static_cast<long long>(g_slow), "native", static_cast<long long>(g_native), "templates",
+  return Py_BuildValue("{s:L,s:L,s:L,s:L,s:n,s:O}", "fast", static_cast<long long>(g_fast), "slow",
+                       static_cast<long long>(g_slow), "native", static_cast<long long>(g_native), "layer",
+                       static_cast<long long>(g_layer), "templates",
                        static_cast<Py_ssize_t>(g_templates.size()), "direct",
                        (g_native_on && g_driver.ready()) ? Py_True : Py_False);
 }
@@ -766,19 +907,26 @@ bool parse_extra(PyObject* const* a, Extra& ex) {
   return !PyErr_Occurred();
 }
 
+// a fast-call entry's argument count is `want`; false with a Python error set
+bool n_args(Py_ssize_t n, Py_ssize_t want, const char* fn) {
+  if (n == want) return true;
+  PyErr_Format(PyExc_TypeError, "fastdora native node: %s takes %zd arguments", fn, want);
+  return false;
+}
+
+// a Python truth value into `out`; false with a Python error set
+bool truth(PyObject* o, bool& out) {
+  const int v = PyObject_IsTrue(o);
+  out = v > 0;
+  return v >= 0;
+}
+
 // compose(result, lora, magnitude, norm, bias, scale, eps, out_dtype, discard) -> y (autograd-aware)
 PyObject* py_compose(PyObject*, PyObject* const* a, Py_ssize_t n) {
   HANDLE_TH_ERRORS
-  if (n != 9) {
-    PyErr_SetString(PyExc_TypeError, "fastdora native node: compose takes 9 arguments");
-    return nullptr;
-  }
   Extra ex;
-  if (!parse_extra(a + 3, ex)) return nullptr;
+  if (!n_args(n, 9, "compose") || !parse_extra(a + 3, ex) || !truth(a[8], ex.discard)) return nullptr;
   ex.out_dtype = dtype_of(a[7]);
-  const int discard = PyObject_IsTrue(a[8]);
-  if (discard < 0) return nullptr;
-  ex.discard = discard != 0;
   at::Tensor y = ComposeNode::apply(unwrap(a[0]), unwrap(a[1]), unwrap(a[2]), ex);
   return THPVariable_Wrap(y);
   END_HANDLE_TH_ERRORS
@@ -787,17 +935,29 @@ PyObject* py_compose(PyObject*, PyObject* const* a, Py_ssize_t n) {
 // compose_b(result, h, lora_b, magnitude, norm, bias, scale, eps, out_dtype or None, discard) -> y (autograd-aware)
 PyObject* py_compose_b(PyObject*, PyObject* const* a, Py_ssize_t n) {
   HANDLE_TH_ERRORS
-  if (n != 10) {
-    PyErr_SetString(PyExc_TypeError, "fastdora native node: compose_b takes 10 arguments");
-    return nullptr;
-  }
   Extra ex;
-  if (!parse_extra(a + 4, ex)) return nullptr;
+  if (!n_args(n, 10, "compose_b") || !parse_extra(a + 4, ex) || !truth(a[9], ex.discard)) return nullptr;
   ex.out_dtype = a[8] == Py_None ? at::ScalarType::Undefined : dtype_of(a[8]);
-  const int discard = PyObject_IsTrue(a[9]);
-  if (discard < 0) return nullptr;
-  ex.discard = discard != 0;
   at::Tensor y = ComposeBNode::apply(unwrap(a[0]), unwrap(a[1]), unwrap(a[2]), unwrap(a[3]), ex);
+  return THPVariable_Wrap(y);
+  END_HANDLE_TH_ERRORS
+}
+
+// dora_linear(x, weight, lora_a, lora_b, magnitude, norm, scale, eps, discard) -> y: the whole layer (autograd-aware
+// where grad mode is on; an inference call otherwise)
+PyObject* py_dora_linear(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  HANDLE_TH_ERRORS
+  if (!n_args(n, 9, "dora_linear")) return nullptr;
+  LinearExtra le;
+  le.weight = unwrap(a[1]);
+  le.norm = unwrap(a[5]);
+  le.scale = PyFloat_AsDouble(a[6]);
+  le.eps = PyFloat_AsDouble(a[7]);
+  if (PyErr_Occurred() || !truth(a[8], le.discard)) return nullptr;
+  le.train = at::GradMode::is_enabled();
+  const at::Tensor x = unwrap(a[0]);
+  ++g_layer;
+  at::Tensor y = LinearNode::apply(x, x, unwrap(a[2]), unwrap(a[3]), unwrap(a[4]), le);
   return THPVariable_Wrap(y);
   END_HANDLE_TH_ERRORS
 }
@@ -818,6 +978,8 @@ PyMethodDef methods[] = {
      "compose(result, lora, magnitude, norm, bias, scale, eps, out_dtype, discard) -> y"},
     {"compose_b", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_compose_b)), METH_FASTCALL,
      "compose_b(result, h, lora_b, magnitude, norm, bias, scale, eps, out_dtype or None, discard) -> y"},
+    {"dora_linear", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_dora_linear)), METH_FASTCALL,
+     "dora_linear(x, weight, lora_a, lora_b, magnitude, norm, scale, eps, discard) -> y"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "fastdora_compose_node", nullptr, -1, methods};
