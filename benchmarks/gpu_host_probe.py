@@ -11,6 +11,8 @@ interleaved round by round (median and minimum of per-round means):
 - ``lora``:               stock PEFT LoRA (same rank)
 - ``fastdora``:           fastdora DoRA (``kernels="triton"``: the kernels also at this size), the C++ node
                           launching its templates directly (cuLaunchKernel)
+- ``fastdora_sep``:       fastdora with ``layer_node=False``: each Linear layer as separate autograd nodes (three
+                          linears and the C++ composition node) instead of the C++ node's whole-layer node
 - ``fastdora_pylaunch``:  the same node launching through Triton's Python launcher (``set_native_launch(False)``)
 - ``fastdora_pynode``:    the Python autograd node (``fastdora.kernels.native.NODE = None``)
 - ``fastdora_keep``:      the C++ node computing and saving ``inner`` also where checkpointing discards saved tensors
@@ -58,6 +60,7 @@ def build(a, pkgs, setup, device):
     node = native.node() if device == "cuda" else None
     variants = {"lora": (None, None), "fastdora": ("fastdora", None)}
     if node is not None:
+        variants["fastdora_sep"] = ("fastdora", "sep")
         variants["fastdora_pylaunch"] = ("fastdora", "pylaunch")
         variants["fastdora_pynode"] = ("fastdora", "pynode")
         variants["fastdora_keep"] = ("fastdora", "keep")
@@ -74,7 +77,8 @@ def build(a, pkgs, setup, device):
             for prm in pm.parameters():
                 prm.data = prm.data.to(torch.bfloat16)
         if label is not None:
-            pkgs[label].enable(pm, kernels="triton" if device == "cuda" else "eager")
+            opts = {"layer_node": False} if switch == "sep" else {}
+            pkgs[label].enable(pm, kernels="triton" if device == "cuda" else "eager", **opts)
         on = off = None
         if switch == "pylaunch":
             on, off = (lambda: node.set_native_launch(False)), (lambda: node.set_native_launch(True))

@@ -53,18 +53,20 @@ SHAPES = {
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # fastdora_old: --old-pkg's package; fastdora_nofuse / fastdora_fuse: fuse_lora_b False / True (the default: False);
 # fastdora_chain: lean_forward=False (PEFT's forward -> variant -> magnitude module chain on every call);
-# fastdora_nograph: graph_norm=False (the per-step norm recomputation as eager launches)
+# fastdora_nograph: graph_norm=False (the per-step norm recomputation as eager launches);
+# fastdora_sep: layer_node=False (each Linear layer as separate autograd nodes, the composition's in C++)
 VARIANTS = ["lora", "peft_dora", "fastdora", "eager", "fastdora_old", "fastdora_nofuse", "fastdora_fuse",
-            "fastdora_chain", "fastdora_nograph"]
+            "fastdora_chain", "fastdora_nograph", "fastdora_sep"]
 VARIANT_LABEL = {"lora": "PEFT LoRA", "peft_dora": "PEFT DoRA", "fastdora": "fastdora DoRA",
                  "eager": "fastdora eager", "fastdora_old": "fastdora (--old-pkg)",
                  "fastdora_nofuse": "fastdora, fuse_lora_b=False",
                  "fastdora_fuse": "fastdora, fuse_lora_b=True", "fastdora_chain": "fastdora, lean_forward=False",
-                 "fastdora_nograph": "fastdora, graph_norm=False"}
+                 "fastdora_nograph": "fastdora, graph_norm=False", "fastdora_sep": "fastdora, layer_node=False"}
 # the variants that run fastdora, with their fastdora.enable() options
 FASTDORA_OPTIONS = {"fastdora": {}, "eager": {"kernels": "eager"}, "fastdora_old": {},
                     "fastdora_nofuse": {"fuse_lora_b": False}, "fastdora_fuse": {"fuse_lora_b": True},
-                    "fastdora_chain": {"lean_forward": False}, "fastdora_nograph": {"graph_norm": False}}
+                    "fastdora_chain": {"lean_forward": False}, "fastdora_nograph": {"graph_norm": False},
+                    "fastdora_sep": {"layer_node": False}}
 
 
 # ----------------------------------------------------------------------------------------------------------------
