@@ -42,7 +42,9 @@ _EAGER = None
 _KERNELS = None  # fastdora.kernels.compose once imported with Triton available, else False
 
 
-def _compose_kernels():
+def _compose_kernels(kernels: str):
+    """``fastdora.kernels.compose`` where Triton is available, else None (an error where ``kernels="triton"`` asked for
+    it)."""
     global _KERNELS
     if _KERNELS is None:
         if triton_available():
@@ -51,6 +53,10 @@ def _compose_kernels():
             _KERNELS = k
         else:
             _KERNELS = False
+    if not _KERNELS:
+        if kernels == "triton":
+            raise RuntimeError("fastdora: kernels='triton' was requested but Triton is not importable")
+        return None
     return _KERNELS
 
 
@@ -67,10 +73,8 @@ def compose_impl(result, lora, magnitude, bias, base_delta, feature_dim, kernels
         or (feature_dim != -1 and feature_dim != result.dim() - 1)
     ):
         return _EAGER
-    k = _compose_kernels()
-    if not k:
-        if kernels == "triton":
-            raise RuntimeError("fastdora: kernels='triton' was requested but Triton is not importable")
+    k = _compose_kernels(kernels)
+    if k is None:
         return _EAGER
     if kernels == "auto" and not k.worth_it(result):
         return _EAGER
@@ -86,10 +90,8 @@ def layer_node(x, weight, magnitude, kernels: str):
     """
     if kernels == "eager" or not (x.is_cuda and weight.is_cuda and magnitude.is_cuda):
         return None
-    k = _compose_kernels()
-    if not k:
-        if kernels == "triton":
-            raise RuntimeError("fastdora: kernels='triton' was requested but Triton is not importable")
+    k = _compose_kernels(kernels)
+    if k is None:
         return None
     if kernels == "auto" and (x.numel() // max(x.shape[-1], 1)) * weight.shape[0] < k.CROSSOVER_NUMEL:
         return None
