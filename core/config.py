@@ -108,8 +108,9 @@ class Options:
         function instead of PEFT's ``forward`` -> variant -> magnitude module chain: the same operations in the same
         order (bitwise the same outputs and gradients), less host time per layer. Off: PEFT's ``forward`` always.
     layer_node: with ``lean_forward``, on the Triton path with the C++ node active (``fastdora.kernels.native``), a
-        Linear layer whose base layer, ``lora_A`` and ``lora_B`` are bare bias-free ``nn.Linear`` modules, run in
-        the adapters' dtype or under autocast, runs as ONE autograd node (its three products and the composition,
+        Linear layer whose base layer, ``lora_A`` and ``lora_B`` are bare ``nn.Linear`` modules (the adapters
+        bias-free, the base layer's weight and bias frozen), run in the adapters' dtype or under autocast, runs as
+        ONE autograd node (its three products and the composition,
         forward and backward, from C++): the same operations, bitwise the same outputs and gradients as the
         separate nodes, and under gradient checkpointing three saved activations (x, lora_A's output, the
         composition's) instead of six saved tensors, each of which costs checkpointing's Python hooks. Off: the

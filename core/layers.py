@@ -686,7 +686,12 @@ def lean_linear_forward(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
     autocast's cast back inside ``F.linear`` (``_autocast_round_trip``). Skipping both gives the same ``lora_A``
     product and the same input gradient values (both casts and their backward casts are exact), and saves two
     activation-sized passes per layer forward and two in its backward. Only the order in which autograd sums the
-    input gradient's contributions from several layers (q/k/v reading one input) may differ with the shorter graph."""
+    input gradient's contributions from several layers (q/k/v reading one input) may differ with the shorter graph.
+
+    With ``layer_node`` (default), where the base layer, ``lora_A`` and ``lora_B`` are bare ``nn.Linear`` modules
+    (bias-free adapters, frozen base weight and bias), no input cast is needed and ``fastdora.dispatch.layer_node``
+    finds the C++ node on the Triton path, the three products and the composition run as that node's one autograd
+    node (``dora_linear``): the same operations, bitwise the same outputs and gradients."""
     a = module._active_adapter
     if type(a) is list:
         a = a[0] if len(a) == 1 else None
@@ -729,9 +734,9 @@ def lean_linear_forward(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
         x_dtype = a_weight.dtype
         cast_x = not (bare_a and _autocast_round_trip(x, a_weight.dtype))
     if bare_base and bare_a and plain_b and not (fuse_b or cast_x) and opts.layer_node:
-        weight = base._parameters["weight"]
+        weight, bias = base._parameters["weight"], base._parameters["bias"]
         node = None
-        if base._parameters["bias"] is None and not weight.requires_grad:
+        if not (weight.requires_grad or (bias is not None and bias.requires_grad)):
             node = _dispatch.layer_node(x, weight, mag._parameters["weight"], opts.kernels)
         if node is not None:  # the whole layer as one autograd node (the C++ node's dora_linear)
             norm = _lean_norm(mag, a, opts, base, lora_A, lora_B, a_weight, b_weight, scaling)
@@ -739,7 +744,8 @@ def lean_linear_forward(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
             record(_LINEAR_TRITON)
             m = mag._parameters["weight"]
             discard = m.requires_grad and torch.is_grad_enabled() and _compose_ops.saves_discarded()
-            return node.dora_linear(x, weight, a_weight, b_weight, m, norm, float(scaling), eps_for(x_dtype), discard)
+            return node.dora_linear(x, weight, bias, a_weight, b_weight, m, norm, float(scaling), eps_for(x_dtype),
+                                    discard)
     if bare_base:
         result = F.linear(x, base._parameters["weight"], base._parameters["bias"])
     else:

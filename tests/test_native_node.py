@@ -765,8 +765,9 @@ if _INNER:
         "amp_fp32_model": (torch.float32, torch.float32, True),  # AMP on an fp32 model: autocast casts x and W too
     }
 
-    def _layer_problem(dname, shape, n, r, need=(True, True, True, True), seed=1):
-        """Two DoRA Linear layers reading one input (q / k style): (x leaf, [(W, A, B, magnitude, norm)] * 2, dys)."""
+    def _layer_problem(dname, shape, n, r, need=(True, True, True, True), seed=1, bias=False):
+        """Two DoRA Linear layers reading one input (q / k style): (x leaf, [(W, A, B, magnitude, norm, base bias or
+        None)] * 2, dys)."""
         xdt, adt, _ = DTYPES_L[dname]
         g = torch.Generator().manual_seed(seed)
         k = shape[-1]
@@ -777,7 +778,8 @@ if _INNER:
             a = (torch.randn(r, k, generator=g) * 0.2).to(adt).requires_grad_(need[1])
             b = (torch.randn(n, r, generator=g) * 0.2).to(adt).requires_grad_(need[2])
             m = (torch.rand(n, generator=g) + 0.5).to(adt).requires_grad_(need[3])
-            layers.append((w, a, b, m, torch.rand(n, generator=g) + 0.5))
+            bb = torch.randn(n, generator=g).to(xdt) if bias else None
+            layers.append((w, a, b, m, torch.rand(n, generator=g) + 0.5, bb))
         dys = [torch.randn(tuple(shape[:-1]) + (n,), generator=g) for _ in range(2)]
         return x, layers, dys
 
@@ -794,20 +796,20 @@ if _INNER:
         x0, layers, dys = prob
         x0 = x0.detach().requires_grad_(x0.requires_grad)
         layers = [(w, a.detach().requires_grad_(a.requires_grad), b.detach().requires_grad_(b.requires_grad),
-                   m.detach().requires_grad_(m.requires_grad), n) for w, a, b, m, n in layers]
+                   m.detach().requires_grad_(m.requires_grad), n, bb) for w, a, b, m, n, bb in layers]
         autocast = DTYPES_L[dname][2]
 
         def fn(x_in):
             x = x_in * 1.0 if x_in.requires_grad else x_in
             outs = []
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                for w, a, b, m, n in layers:
+                for w, a, b, m, n, bb in layers:
                     if use_layer:
                         discard = saves_discarded()
-                        y = native.NODE.dora_linear(x, w, a, b, m, n, scale, eps, discard)
+                        y = native.NODE.dora_linear(x, w, bb, a, b, m, n, scale, eps, discard)
                     else:
-                        res = F.linear(x, w)
-                        y = kc.TRITON.apply(res, F.linear(F.linear(x, a), b), m, n, None, None, scale, eps, res.dtype)
+                        res = F.linear(x, w, bb)
+                        y = kc.TRITON.apply(res, F.linear(F.linear(x, a), b), m, n, bb, None, scale, eps, res.dtype)
                     assert type(y.grad_fn).__name__ == "CppFunction"
                     outs.append(y)
             return outs
@@ -831,14 +833,15 @@ if _INNER:
         shapes = [((2, 3, 24), 40, 4), ((7, 17), 24, 1), ((1, 24), 16, 1), ((1, 1, 1), 16, 3), ((5, 1), 8, 2)]
         before = native.NODE.stats()["layer"]
         for shape, n, r in shapes:
-            prob = _layer_problem(dname, shape, n, r)
-            for ckpt in (False, True):
-                ref = _run_layers(prob, dname, False, ckpt)
-                for attempt in ("first", "again"):
-                    _assert_bitwise(_run_layers(prob, dname, True, ckpt), ref,
-                                    f"{dname} {shape} n={n} r={r} ckpt={ckpt} ({attempt})")
-        # 2 layers x 2 runs per case; checkpointing: the first forward and the recomputation
-        assert native.NODE.stats()["layer"] - before == len(shapes) * (2 * 2 + 2 * 2 * 2)
+            for bias in (False, True):  # the base layer's frozen bias
+                prob = _layer_problem(dname, shape, n, r, bias=bias)
+                for ckpt in (False, True):
+                    ref = _run_layers(prob, dname, False, ckpt)
+                    for attempt in ("first", "again"):
+                        _assert_bitwise(_run_layers(prob, dname, True, ckpt), ref,
+                                        f"{dname} {shape} n={n} r={r} bias={bias} ckpt={ckpt} ({attempt})")
+        # 2 biases x 2 layers x 2 runs per case; checkpointing: the first forward and the recomputation
+        assert native.NODE.stats()["layer"] - before == len(shapes) * 2 * (2 * 2 + 2 * 2 * 2)
 
     @pytest.mark.parametrize("need", [(False, True, True, True), (True, False, True, True), (True, True, False, True),
                                       (True, True, True, False), (False, False, False, True),
@@ -846,7 +849,7 @@ if _INNER:
     def test_layer_node_partial_input_grads(need):
         """Frozen input / lora_A / lora_B / magnitude: only the requested gradients, bitwise the separate nodes'."""
         for dname in ("fp32", "amp"):
-            prob = _layer_problem(dname, (3, 5, 24), 32, 4, need=need, seed=5)
+            prob = _layer_problem(dname, (3, 5, 24), 32, 4, need=need, seed=5, bias=True)
             _assert_bitwise(_run_layers(prob, dname, True), _run_layers(prob, dname, False), f"{dname} need={need}")
 
     def test_layer_node_inference_and_saved_tensors():
@@ -855,16 +858,16 @@ if _INNER:
         import torch.nn.functional as F
 
         x, layers, _ = _layer_problem("bf16", (4, 24), 40, 4)
-        w, a, b, m, n = layers[0]
+        w, a, b, m, n, _ = layers[0]
         with torch.no_grad():
-            y = native.NODE.dora_linear(x, w, a, b, m, n, 0.5, 1e-6, False)
+            y = native.NODE.dora_linear(x, w, None, a, b, m, n, 0.5, 1e-6, False)
             res = F.linear(x, w)
             ref = kc.TRITON.compose_fwd(res, F.linear(F.linear(x, a), b), m, n, 0.5, 1e-6, None, None, res.dtype,
                                         False)[0]
         assert y.grad_fn is None and torch.equal(y, ref)
         with torch.inference_mode():  # inference tensors (no version counters)
             xi, wi, ai, bi, mi, ni = (t.clone() for t in (x, w, a, b, m, n))
-            assert torch.equal(native.NODE.dora_linear(xi, wi, ai, bi, mi, ni, 0.5, 1e-6, False), ref)
+            assert torch.equal(native.NODE.dora_linear(xi, wi, None, ai, bi, mi, ni, 0.5, 1e-6, False), ref)
         packed = []
 
         def pack(t):
@@ -872,7 +875,7 @@ if _INNER:
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            native.NODE.dora_linear(x.detach().requires_grad_(), w, a, b, m, n, 0.5, 1e-6, False)
+            native.NODE.dora_linear(x.detach().requires_grad_(), w, None, a, b, m, n, 0.5, 1e-6, False)
         assert packed == [(4, 24), (4, 4), (4, 40)], packed
 
     @pytest.mark.parametrize("which", ["base", "lora_A", "lora_B"])
@@ -881,16 +884,16 @@ if _INNER:
         the same change to a weight no requested gradient reads (lora_A's with a frozen input) is not an error,
         as with the separate nodes (lora_A's node saves its weight only for the input's gradient)."""
         x, layers, dys = _layer_problem("fp32", (4, 24), 40, 4)
-        w, a, b, m, n = layers[0]
+        w, a, b, m, n, _ = layers[0]
         weight = {"base": w, "lora_A": a, "lora_B": b}[which]
-        y = native.NODE.dora_linear(x, w, a, b, m, n, 0.5, 1e-6, False)
+        y = native.NODE.dora_linear(x, w, None, a, b, m, n, 0.5, 1e-6, False)
         with torch.no_grad():
             weight.mul_(2)
         with pytest.raises(RuntimeError, match=f"modified by an inplace operation.*{which}"):
             y.backward(dys[0])
         if which == "lora_A":
             x_frozen = x.detach()
-            y = native.NODE.dora_linear(x_frozen, w, a, b, m, n, 0.5, 1e-6, False)
+            y = native.NODE.dora_linear(x_frozen, w, None, a, b, m, n, 0.5, 1e-6, False)
             with torch.no_grad():
                 a.mul_(2)
             y.backward(dys[0])
@@ -898,16 +901,16 @@ if _INNER:
 
     def test_layer_node_placeholder_reaching_backward_raises():
         x, layers, dys = _layer_problem("fp32", (4, 24), 40, 4)
-        w, a, b, m, n = layers[0]
-        y = native.NODE.dora_linear(x, w, a, b, m, n, 0.5, 1e-6, True)
+        w, a, b, m, n, _ = layers[0]
+        y = native.NODE.dora_linear(x, w, None, a, b, m, n, 0.5, 1e-6, True)
         with pytest.raises(RuntimeError, match="discarded by gradient checkpointing"):
             y.backward(dys[0])
 
     def test_lean_forward_layer_node_selection(monkeypatch):
-        """The lean forward takes the whole-layer node exactly where it is exact: not with a base-layer bias, a
-        trainable base weight, ``fuse_lora_b``, PEFT's input cast (fp32 adapters on bf16 activations without
-        autocast), ``layer_node=False``, or where the dispatch says the eager path; outputs and gradients are
-        bitwise the same either way."""
+        """The lean forward takes the whole-layer node exactly where it is exact (also with a frozen base-layer
+        bias): not with a trainable base weight or bias, ``fuse_lora_b``, PEFT's input cast (fp32 adapters on bf16
+        activations without autocast), ``layer_node=False``, or where the dispatch says the eager path; outputs and
+        gradients are bitwise the same either way."""
         import fastdora
         from fastdora import dispatch
         from peft import LoraConfig, get_peft_model
@@ -939,8 +942,8 @@ if _INNER:
             return native.NODE.stats()["layer"] - before, [y.detach()] + [p.grad for p in pm.parameters()
                                                                           if p.requires_grad]
 
-        cases = [(dict(bias=False, dtype=torch.float32), 2), (dict(bias=True, dtype=torch.float32), 1),
-                 (dict(bias=False, dtype=torch.bfloat16), 2),
+        cases = [(dict(bias=False, dtype=torch.float32), 2), (dict(bias=True, dtype=torch.float32), 2),
+                 (dict(bias=True, dtype=torch.bfloat16), 2), (dict(bias=False, dtype=torch.bfloat16), 2),
                  (dict(bias=False, dtype=torch.bfloat16, fp32_adapters=True), 0),
                  (dict(bias=False, dtype=torch.float32, fuse_lora_b=True), 0),
                  (dict(bias=False, dtype=torch.float32, layer_node=False), 0)]
@@ -950,20 +953,21 @@ if _INNER:
             n_sep, ref = run(build(**kw), dtype, False)
             assert (n_layer, n_sep) == (want, 0), (kw, n_layer, n_sep)
             _assert_bitwise(got, ref, str(kw))
-        pm = build(bias=False, dtype=torch.float32)
-        pm.base_model.model[0].base_layer.weight.requires_grad_(True)  # a trainable base weight: separate nodes
-        assert run(pm, torch.float32, True)[0] == 1
+        for param in ("weight", "bias"):  # a trainable base weight or bias: the separate nodes for that layer
+            pm = build(bias=True, dtype=torch.float32)
+            getattr(pm.base_model.model[0].base_layer, param).requires_grad_(True)
+            assert run(pm, torch.float32, True)[0] == 1
 
     def test_node_entry_argument_errors():
         """Each fast-call entry names itself and its argument count; a flag whose truth value raises propagates."""
         x, layers, _ = _layer_problem("fp32", (4, 24), 40, 4)
-        w, a, b, m, n = layers[0]
+        w, a, b, m, n, _ = layers[0]
 
         class Bad:
             def __bool__(self):
                 raise ValueError("no truth value")
 
-        for fn, args in ((native.NODE.dora_linear, (x, w, a, b, m, n, 0.5, 1e-6)),
+        for fn, args in ((native.NODE.dora_linear, (x, w, None, a, b, m, n, 0.5, 1e-6)),
                          (native.NODE.compose, (x, x, m, n, None, 0.5, 1e-6, torch.float32)),
                          (native.NODE.compose_b, (x, x, b, m, n, None, 0.5, 1e-6, None))):
             name = fn.__name__
@@ -1076,8 +1080,8 @@ if _INNER:
                     y.square().sum().backward()
                 finally:
                     native.NODE = saved
-                # the whole-layer node serves the bias-free layer where it is active (not with fuse_lora_b)
-                assert native.NODE.stats()["layer"] - layer_calls == (1 if use_node and not fuse else 0)
+                # the whole-layer node serves both layers where it is active (not with fuse_lora_b)
+                assert native.NODE.stats()["layer"] - layer_calls == (2 if use_node and not fuse else 0)
                 outs.append([y.detach()] + [p.grad for p in pm.parameters() if p.requires_grad])
         finally:
             dispatch.compose_impl, dispatch.layer_node = real, real_layer

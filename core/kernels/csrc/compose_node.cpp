@@ -22,15 +22,16 @@
 // dlopen (no CUDA toolkit at build time). Where it is unavailable, no context is current, or the native launch is
 // switched off (FASTDORA_NATIVE_LAUNCH=0), the template's Triton launcher runs as before.
 //
-// LinearNode (session 27): a whole DoRA Linear layer -- the base layer's product (no bias), lora_A's, lora_B's and the
-// composition -- as one autograd node, called once per layer forward from fastdora.layers.lean_linear_forward. Under
-// gradient checkpointing the separate nodes' saved tensors (W, x, A, h, B, inner: six Python pack hooks in the
-// first forward, six in the recomputation, six unpack hooks) become three (x, h, inner), and the per-node autograd and
-// Python work of three linears goes. Its forward runs the same ATen ops (at::linear, under autocast where it is on)
-// and the same composition kernel; its backward the same matmuls as autograd's mm derivatives (mm_mat1_backward /
-// mm_mat2_backward, incl. their column-major branch) and the same composition backward, and it hands x's two gradient
-// contributions (lora_A's, then the base layer's) to autograd through two edges to x, so that they are accumulated
-// one at a time in the order of the separate nodes: outputs and every gradient bitwise those of the separate nodes.
+// LinearNode (session 27): a whole DoRA Linear layer -- the base layer's product (with its frozen bias, if any),
+// lora_A's, lora_B's and the composition -- as one autograd node, called once per layer forward from
+// fastdora.layers.lean_linear_forward. Under gradient checkpointing the separate nodes' saved tensors (W, x, A, h, B,
+// inner: six Python pack hooks in the first forward, six in the recomputation, six unpack hooks) become three (x, h,
+// inner), and the per-node autograd and Python work of three linears goes. Its forward runs the same ATen ops
+// (at::linear, under autocast where it is on) and the same composition kernel; its backward the same matmuls as
+// autograd's mm derivatives (mm_mat1_backward / mm_mat2_backward, incl. their column-major branch) and the same
+// composition backward, and it hands x's two gradient contributions (lora_A's, then the base layer's) to autograd
+// through two edges to x, so that they are accumulated one at a time in the order of the separate nodes: outputs and
+// every gradient bitwise those of the separate nodes.
 //
 // Module functions (Python): configure(...), load_driver(), set_native_launch(on), register(...), clear(),
 // compose(...), compose_b(...), dora_linear(...), stats().
@@ -614,7 +615,7 @@ at::Tensor mm_mat2_backward(const at::Tensor& grad, const at::Tensor& mat1, cons
 at::Tensor as_rows(const at::Tensor& t) { return t.dim() == 2 ? t : t.reshape({-1, t.size(-1)}); }
 
 struct LinearExtra {  // dora_linear's non-differentiable inputs
-  at::Tensor weight, norm;  // the frozen base weight [d_out, d_in]; the detached norm
+  at::Tensor weight, bias, norm;  // the frozen base weight [d_out, d_in] and bias (or undefined); the detached norm
   double scale, eps;
   bool discard = false;     // checkpointing discards what the node saves (placeholder for inner)
   bool train = true;        // grad mode was on at the call: save what the backward needs
@@ -634,11 +635,12 @@ struct LinearNode : public torch::autograd::Function<LinearNode> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& x_base, const at::Tensor& a,
                             const at::Tensor& b, const at::Tensor& magnitude, const LinearExtra& le) {
     // the separate nodes' forward ops, in their order (under autocast: its casts, as F.linear's)
-    const at::Tensor result = at::linear(x_base, le.weight);
+    const at::Tensor result = at::linear(x_base, le.weight, le.bias);
     const at::Tensor h = at::linear(x, a);
     const at::Tensor lora = at::linear(h, b);
     Extra ex;
     ex.norm = le.norm;
+    ex.bias = le.bias;
     ex.scale = le.scale;
     ex.eps = le.eps;
     ex.out_dtype = result.scalar_type();
@@ -943,21 +945,22 @@ PyObject* py_compose_b(PyObject*, PyObject* const* a, Py_ssize_t n) {
   END_HANDLE_TH_ERRORS
 }
 
-// dora_linear(x, weight, lora_a, lora_b, magnitude, norm, scale, eps, discard) -> y: the whole layer (autograd-aware
-// where grad mode is on; an inference call otherwise)
+// dora_linear(x, weight, bias, lora_a, lora_b, magnitude, norm, scale, eps, discard) -> y: the whole layer
+// (autograd-aware where grad mode is on; an inference call otherwise; bias: the base layer's frozen bias or None)
 PyObject* py_dora_linear(PyObject*, PyObject* const* a, Py_ssize_t n) {
   HANDLE_TH_ERRORS
-  if (!n_args(n, 9, "dora_linear")) return nullptr;
+  if (!n_args(n, 10, "dora_linear")) return nullptr;
   LinearExtra le;
   le.weight = unwrap(a[1]);
-  le.norm = unwrap(a[5]);
-  le.scale = PyFloat_AsDouble(a[6]);
-  le.eps = PyFloat_AsDouble(a[7]);
-  if (PyErr_Occurred() || !truth(a[8], le.discard)) return nullptr;
+  le.bias = unwrap(a[2]);
+  le.norm = unwrap(a[6]);
+  le.scale = PyFloat_AsDouble(a[7]);
+  le.eps = PyFloat_AsDouble(a[8]);
+  if (PyErr_Occurred() || !truth(a[9], le.discard)) return nullptr;
   le.train = at::GradMode::is_enabled();
   const at::Tensor x = unwrap(a[0]);
   ++g_layer;
-  at::Tensor y = LinearNode::apply(x, x, unwrap(a[2]), unwrap(a[3]), unwrap(a[4]), le);
+  at::Tensor y = LinearNode::apply(x, x, unwrap(a[3]), unwrap(a[4]), unwrap(a[5]), le);
   return THPVariable_Wrap(y);
   END_HANDLE_TH_ERRORS
 }
@@ -979,7 +982,7 @@ PyMethodDef methods[] = {
     {"compose_b", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_compose_b)), METH_FASTCALL,
      "compose_b(result, h, lora_b, magnitude, norm, bias, scale, eps, out_dtype or None, discard) -> y"},
     {"dora_linear", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_dora_linear)), METH_FASTCALL,
-     "dora_linear(x, weight, lora_a, lora_b, magnitude, norm, scale, eps, discard) -> y"},
+     "dora_linear(x, weight, bias, lora_a, lora_b, magnitude, norm, scale, eps, discard) -> y"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "fastdora_compose_node", nullptr, -1, methods};
