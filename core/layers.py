@@ -735,14 +735,14 @@ def lean_linear_forward(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
         cast_x = not (bare_a and _autocast_round_trip(x, a_weight.dtype))
     if bare_base and bare_a and plain_b and not (fuse_b or cast_x) and opts.layer_node:
         weight, bias = base._parameters["weight"], base._parameters["bias"]
+        m = mag._parameters["weight"]
         node = None
         if not (weight.requires_grad or (bias is not None and bias.requires_grad)):
-            node = _dispatch.layer_node(x, weight, mag._parameters["weight"], opts.kernels)
+            node = _dispatch.layer_node(x, weight, m, opts.kernels)
         if node is not None:  # the whole layer as one autograd node (the C++ node's dora_linear)
             norm = _lean_norm(mag, a, opts, base, lora_A, lora_B, a_weight, b_weight, scaling)
             mag._fd_peft_cache(a, norm)
             record(_LINEAR_TRITON)
-            m = mag._parameters["weight"]
             discard = m.requires_grad and torch.is_grad_enabled() and _compose_ops.saves_discarded()
             return node.dora_linear(x, weight, bias, a_weight, b_weight, m, norm, float(scaling), eps_for(x_dtype),
                                     discard)
@@ -767,18 +767,6 @@ def lean_linear_forward(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
 
 
 _LINEAR_TRITON = path_key("linear", "triton")
-_TOP_SAVED_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-
-
-def _recompute_pack_codes() -> frozenset:
-    """Code objects of the pack hook non-reentrant ``torch.utils.checkpoint`` installs around its recomputation."""
-    try:
-        from torch.utils import checkpoint as _ckpt
-
-        consts = _ckpt._recomputation_hook.__init__.__code__.co_consts
-    except Exception:  # pragma: no cover - another torch layout: the lean forward waits for a hook-free call
-        return frozenset()
-    return frozenset(c for c in consts if getattr(c, "co_name", None) == "pack_hook")
 
 
 def _lean_norm(mag, a, opts, base_layer, lora_A, lora_B, a_weight, b_weight, scaling):
@@ -794,9 +782,6 @@ def _lean_norm(mag, a, opts, base_layer, lora_A, lora_B, a_weight, b_weight, sca
     return mag._fd_linear_norm(base_layer, lora_A, lora_B, scaling, a)
 
 
-_RECOMPUTE_PACK_CODES = _recompute_pack_codes()
-
-
 def lean_install_safe() -> bool:
     """Whether a module's first call (PEFT's forward chain) may install the lean forward for its later calls: not while
     saved tensors go through hooks other than a checkpoint recomputation's. The lean forward's graph can differ from
@@ -805,13 +790,8 @@ def lean_install_safe() -> bool:
     a checkpoint's first forward installs it in that checkpoint's recomputation (after which its first forward and
     recomputation both take it). ``fastdora.enable(model)`` installs it up front; this covers layers PEFT creates
     later (process-wide mode)."""
-    hooks = _TOP_SAVED_HOOKS(False) if _TOP_SAVED_HOOKS is not None else None
-    if hooks is None:
-        return True
-    fn = hooks[0]
-    while hasattr(fn, "__wrapped__"):  # torch wraps the recomputation's hook (e.g. to keep dynamo out of it)
-        fn = fn.__wrapped__
-    return getattr(fn, "__code__", None) in _RECOMPUTE_PACK_CODES
+    hook = _compose_ops.top_pack_hook()
+    return hook is None or getattr(hook, "__code__", None) in _compose_ops.RECOMPUTE_PACK_CODES
 
 
 def install_lean_forward(module: nn.Module) -> bool:

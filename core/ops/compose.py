@@ -307,21 +307,37 @@ def _rowsum_product(a: torch.Tensor, b: torch.Tensor, feature_dim: int, acc: tor
     return out
 
 
-def _checkpoint_discard_codes() -> frozenset:
-    """Code objects of the pack hook that non-reentrant ``torch.utils.checkpoint`` installs around the forward it
-    will recompute: it keeps no reference to what is saved (a placeholder ``_Holder`` and, for its determinism check,
-    the saved tensor's shape / dtype / device). Empty where this torch has no such hook."""
+def _checkpoint_pack_codes(hook_cls: str) -> frozenset:
+    """Code objects of the pack hook that non-reentrant ``torch.utils.checkpoint``'s saved-tensor hook class
+    ``hook_cls`` defines: ``_checkpoint_hook`` around the forward it will recompute (it keeps no reference to what is
+    saved: a placeholder ``_Holder`` and, for its determinism check, the saved tensor's shape / dtype / device),
+    ``_recomputation_hook`` around the recomputation. Empty where this torch has no such hook."""
     try:
         from torch.utils import checkpoint as _ckpt
 
-        consts = _ckpt._checkpoint_hook.__init__.__code__.co_consts
-    except Exception:  # pragma: no cover - another torch layout: nothing is treated as discarded
+        consts = getattr(_ckpt, hook_cls).__init__.__code__.co_consts
+    except Exception:  # pragma: no cover - another torch layout: no hook is recognised
         return frozenset()
     return frozenset(c for c in consts if getattr(c, "co_name", None) == "pack_hook")
 
 
-_DISCARD_PACK_CODES = _checkpoint_discard_codes()
+_DISCARD_PACK_CODES = _checkpoint_pack_codes("_checkpoint_hook")
+RECOMPUTE_PACK_CODES = _checkpoint_pack_codes("_recomputation_hook")
 _TOP_SAVED_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def top_pack_hook():
+    """The pack hook on top of the saved-tensor hook stack, unwrapped (torch wraps the recomputation's hook to keep
+    dynamo out of it); None without hooks (or on a torch without the query)."""
+    hooks = _TOP_SAVED_HOOKS(False) if _TOP_SAVED_HOOKS is not None else None
+    if hooks is None:
+        return None
+    fn = hooks[0]
+    while hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return fn
+
+
 _DISPATCH_MODES = getattr(torch._C, "_len_torch_dispatch_stack", None)
 
 
@@ -331,10 +347,7 @@ def saves_discarded() -> bool:
     on top of the saved-tensor hook stack counts (another hook above it, e.g. ``save_on_cpu``, keeps the tensors),
     and only without a Python dispatch mode: selective activation checkpointing's mode hands the recomputation the
     first forward's op outputs matched by op and order, so both must run the same ops."""
-    if _TOP_SAVED_HOOKS is None or not _DISCARD_PACK_CODES:
-        return False
-    hooks = _TOP_SAVED_HOOKS(False)
-    if hooks is None or getattr(hooks[0], "__code__", None) not in _DISCARD_PACK_CODES:
+    if not _DISCARD_PACK_CODES or getattr(top_pack_hook(), "__code__", None) not in _DISCARD_PACK_CODES:
         return False
     return _DISPATCH_MODES is not None and _DISPATCH_MODES() == 0
 
