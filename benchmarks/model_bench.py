@@ -54,19 +54,25 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 # fastdora_old: --old-pkg's package; fastdora_nofuse / fastdora_fuse: fuse_lora_b False / True (the default: False);
 # fastdora_chain: lean_forward=False (PEFT's forward -> variant -> magnitude module chain on every call);
 # fastdora_nograph: graph_norm=False (the per-step norm recomputation as eager launches);
-# fastdora_sep: layer_node=False (each Linear layer as separate autograd nodes, the composition's in C++)
+# fastdora_sep: layer_node=False (each Linear layer as separate autograd nodes, the composition's in C++);
+# fastdora_inner: dm_from_output=False (the whole-layer node saves inner, not its output, for the magnitude)
 VARIANTS = ["lora", "peft_dora", "fastdora", "eager", "fastdora_old", "fastdora_nofuse", "fastdora_fuse",
-            "fastdora_chain", "fastdora_nograph", "fastdora_sep"]
+            "fastdora_chain", "fastdora_nograph", "fastdora_sep", "fastdora_inner"]
 VARIANT_LABEL = {"lora": "PEFT LoRA", "peft_dora": "PEFT DoRA", "fastdora": "fastdora DoRA",
                  "eager": "fastdora eager", "fastdora_old": "fastdora (--old-pkg)",
                  "fastdora_nofuse": "fastdora, fuse_lora_b=False",
                  "fastdora_fuse": "fastdora, fuse_lora_b=True", "fastdora_chain": "fastdora, lean_forward=False",
-                 "fastdora_nograph": "fastdora, graph_norm=False", "fastdora_sep": "fastdora, layer_node=False"}
+                 "fastdora_nograph": "fastdora, graph_norm=False", "fastdora_sep": "fastdora, layer_node=False",
+                 "fastdora_inner": "fastdora, dm_from_output=False"}
+VARIANT_COLOR = {"lora": "#888888", "peft_dora": "#d62728", "fastdora": "#2ca02c", "eager": "#1f77b4",
+                 "fastdora_old": "#9467bd", "fastdora_nofuse": "#17becf", "fastdora_fuse": "#bcbd22",
+                 "fastdora_chain": "#8c564b", "fastdora_nograph": "#e377c2", "fastdora_sep": "#ff7f0e",
+                 "fastdora_inner": "#7f7f00"}
 # the variants that run fastdora, with their fastdora.enable() options
 FASTDORA_OPTIONS = {"fastdora": {}, "eager": {"kernels": "eager"}, "fastdora_old": {},
                     "fastdora_nofuse": {"fuse_lora_b": False}, "fastdora_fuse": {"fuse_lora_b": True},
                     "fastdora_chain": {"lean_forward": False}, "fastdora_nograph": {"graph_norm": False},
-                    "fastdora_sep": {"layer_node": False}}
+                    "fastdora_sep": {"layer_node": False}, "fastdora_inner": {"dm_from_output": False}}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -488,6 +494,10 @@ def plan_configs(plan, layers_q, layers_m):
         if plan.endswith("_fuse"):
             variants = ("lora", "fastdora_fuse", "fastdora_nofuse", "fastdora_fuse", "fastdora_nofuse", "peft_dora")
         add("qwen3-8b", layers_q, 384, setups=(plan.split("_")[0],), variants=variants)
+        return cfgs
+    if plan in ("mistral_bf16", "mistral_amp"):  # Mistral-Small-24B shapes at the target rank, one precision
+        add("mistral-small-24b", layers_m, 384, setups=(plan.split("_")[1],),
+            variants=("lora", "fastdora", "fastdora_inner", "peft_dora"))
         return cfgs
     if plan == "coverage":  # what the r=384 plans leave out (issue 5's remaining rows, AMP): full depth first, then
         # Mistral-Small-24B at r=16/64/768 and Qwen3-8B at r=64, LoRA / fastdora / PEFT DoRA each
@@ -1031,10 +1041,6 @@ def plot(doc, png):
         return False
     metrics = [("grad_iter_s", "grad iteration (s)"), ("infer_s", "inference fwd (ms)"),
                ("train_peak_alloc_gb", "train peak alloc (GB)")]
-    colors = {"lora": "#888888", "peft_dora": "#d62728", "fastdora": "#2ca02c", "eager": "#1f77b4",
-              "fastdora_old": "#9467bd", "fastdora_nofuse": "#17becf",
-              "fastdora_fuse": "#bcbd22", "fastdora_chain": "#8c564b",
-              "fastdora_nograph": "#e377c2"}
     fig, axes = plt.subplots(len(groups), 3, figsize=(15, 3.2 * len(groups)), squeeze=False)
     for gi, g in enumerate(groups):
         ranks = sorted({k[3] for k in idx if k[:3] == g})
@@ -1049,7 +1055,7 @@ def plot(doc, png):
                         xs.append(ri + (vi - 1.5) * w)
                         ys.append(rec[field] * (1e3 if field == "infer_s" else 1.0))
                 if xs:
-                    ax.bar(xs, ys, w, label=VARIANT_LABEL[v], color=colors[v])
+                    ax.bar(xs, ys, w, label=VARIANT_LABEL[v], color=VARIANT_COLOR[v])
             ax.set_xlim(-0.6, max(len(ranks), 3) - 0.4)  # one rank: bars as wide as in the 4-rank panels
             ax.set_xticks(range(len(ranks)))
             ax.set_xticklabels([f"r={r}" for r in ranks])
@@ -1123,7 +1129,7 @@ def build_parser():
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--plan", default="h200", choices=["h200", "targets", "full", "r16", "coverage", "tiny", "final",
                                                       "gpu0", "gpu1", "bf16", "amp", "bf16_ab", "amp_ab", "bf16_fuse",
-                                                      "amp_fuse"])
+                                                      "amp_fuse", "mistral_bf16", "mistral_amp"])
     p.add_argument("--variants", help="parent: run only these variants of the plan (comma-separated)")
     p.add_argument("--sequence", help="parent: run the plan's first config (shape, layers, rank, setup) with these "
                    "variants in this order, repeats allowed (comma-separated; e.g. --plan bf16 --sequence "

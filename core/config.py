@@ -115,6 +115,14 @@ class Options:
         separate nodes, and under gradient checkpointing three saved activations (x, lora_A's output, the
         composition's) instead of six saved tensors, each of which costs checkpointing's Python hooks. Off: the
         separate nodes.
+    dm_from_output: with ``layer_node``, a bias-free layer computing in bf16 / fp32 saves its output ``y`` for the
+        magnitude's gradient, ``dm = sum(dy * y) / m``, instead of the composition's ``inner``
+        (``dm = sum(dy * inner) / max(norm, eps)``: the same value, since ``y = g * inner``, rounded once per
+        element either way). The model's next ops keep most layers' outputs anyway (SiLU and the gate product keep
+        gate's and up's, attention keeps v), so the saved tensor costs no memory of its own there, and the forward
+        writes no ``inner``. Taken only while the magnitude has no element below 1e-20 in magnitude (checked once
+        per magnitude update: a host sync per layer and optimizer step); a model that changes a layer's output in
+        place before the backward gets autograd's error naming this option. Off: ``inner`` is saved, as before.
     graph_norm: on CUDA, a layer's once-per-step norm recomputation (Triton path, cached base) is captured into a CUDA
         graph after its first recomputations and replayed from then on: the same kernels on the same inputs (bitwise
         the same norm), one graph launch instead of ~12 kernel launches and their Python per layer and step. Inputs
@@ -128,6 +136,7 @@ class Options:
     fuse_lora_b: bool = False
     lean_forward: bool = True
     layer_node: bool = True
+    dm_from_output: bool = True
     graph_norm: bool = True
 
     @property
@@ -150,7 +159,8 @@ def make_options(**kwargs: Any) -> Options:
     kernels = values["kernels"]
     if not isinstance(kernels, str) or kernels not in _KERNELS:
         raise ValueError(f"fastdora: option kernels={kernels!r} is invalid; use one of {list(_KERNELS)}")
-    for name in ("legacy_embedding_compose", "cache_norm", "fuse_lora_b", "lean_forward", "layer_node", "graph_norm"):
+    for name in ("legacy_embedding_compose", "cache_norm", "fuse_lora_b", "lean_forward", "layer_node",
+                 "dm_from_output", "graph_norm"):
         if name in values and not isinstance(values[name], bool):
             raise ValueError(f"fastdora: option {name}={values[name]!r} must be a bool")
     budget = values["norm_budget_mb"]

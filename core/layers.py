@@ -743,9 +743,11 @@ def lean_linear_forward(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
             norm = _lean_norm(mag, a, opts, base, lora_A, lora_B, a_weight, b_weight, scaling)
             mag._fd_peft_cache(a, norm)
             record(_LINEAR_TRITON)
-            discard = m.requires_grad and torch.is_grad_enabled() and _compose_ops.saves_discarded()
+            train = m.requires_grad and torch.is_grad_enabled()
+            discard = train and _compose_ops.saves_discarded()
+            from_y = train and bias is None and opts.dm_from_output and _magnitude_nonzero(mag, m)
             return node.dora_linear(x, weight, bias, a_weight, b_weight, m, norm, float(scaling), eps_for(x_dtype),
-                                    discard)
+                                    discard, from_y)
     if bare_base:
         result = F.linear(x, base._parameters["weight"], base._parameters["bias"])
     else:
@@ -767,6 +769,28 @@ def lean_linear_forward(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
 
 
 _LINEAR_TRITON = path_key("linear", "triton")
+
+# below this magnitude, dm = sum(dy * y) / m is not taken (y = g * inner with g = m / max(norm, eps): for |m| >= 1e-20
+# and row norms below 1e6, g stays above 1e-26, far from bf16 / fp32 underflow at 1.2e-38)
+_MAGNITUDE_FLOOR = 1e-20
+
+
+def _magnitude_nonzero(mag: nn.Module, m: torch.Tensor) -> bool:
+    """Whether every element of the magnitude ``m`` has ``|m| >= _MAGNITUDE_FLOOR`` (so that the whole-layer node may
+    take the magnitude's gradient from its output, option ``dm_from_output``). Checked once per update of ``m`` (its
+    storage and version counter; one host sync per layer and optimizer step) and cached on the magnitude module, so
+    that a checkpoint's recomputation decides as its first forward did. During a CUDA graph capture (no sync
+    possible) the answer is False, cached for that version too."""
+    key = (m.data_ptr(), m._version)
+    hit = mag.__dict__.get("_fastdora_m_nonzero")
+    if hit is not None and hit[0] is m and hit[1] == key:
+        return hit[2]
+    if m.is_cuda and torch.cuda.is_current_stream_capturing():
+        ok = False
+    else:
+        ok = bool(torch.all(m.detach().abs() >= _MAGNITUDE_FLOOR))
+    mag.__dict__["_fastdora_m_nonzero"] = (m, key, ok)
+    return ok
 
 
 def _lean_norm(mag, a, opts, base_layer, lora_A, lora_B, a_weight, b_weight, scaling):

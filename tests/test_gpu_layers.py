@@ -108,7 +108,7 @@ def test_training_steps_norm_cache_and_checkpointing():
 def test_lean_forward_bitwise_chain_triton(setup):
     """The lean module forward vs PEFT's forward -> variant chain on the Triton path, with checkpointing: bitwise
     the same loss and logits, and the lean path taken (PEFT's Linear.forward not called). Gradients: bitwise in pure
-    bf16; in AMP the lean path skips PEFT's exact fp32 round trip of the input (a shorter autograd graph), so where
+    bf16 but the magnitudes' (the whole-layer node takes them from the saved outputs: y's rounding); in AMP the lean path skips PEFT's exact fp32 round trip of the input (a shorter autograd graph), so where
     several layers' input gradients meet (q/k/v, gate/up) autograd may sum them in another order: equal up to bf16
     summation order there."""
     from peft.tuners.lora.layer import Linear as LoraLinear
@@ -148,9 +148,9 @@ def test_lean_forward_bitwise_chain_triton(setup):
     assert torch.equal(loss_l, loss_c) and torch.equal(logits_l, logits_c)
     assert g_l.keys() == g_c.keys()
     for n in g_l:
-        if setup == "pure_bf16":
+        if setup == "pure_bf16" and "lora_magnitude_vector" not in n:
             assert torch.equal(g_l[n], g_c[n]), n
-        else:
+        else:  # magnitudes: the whole-layer node's sum(dy * y) / m (option dm_from_output), y's rounding
             assert _rel(g_l[n], g_c[n]) < 1e-2, (n, _rel(g_l[n], g_c[n]))
 
 

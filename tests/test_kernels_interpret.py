@@ -321,6 +321,36 @@ else:
         for i in (0, 1):
             assert torch.equal(fused[0][i], split[i])
 
+    @pytest.mark.parametrize("dname", ["fp32", "bf16"])
+    @pytest.mark.parametrize("fused", [True, False], ids=["fused", "two_kernels"])
+    def test_dm_from_y(monkeypatch, dname, fused):
+        """``dm_from_y``: the saved tensor is the bias-free output y = g * inner and dm = sum(dy * y) / m, in the
+        kernel (fused second stage and its own kernel) and in the eager path: within a reduction's rounding of the
+        fp64 value sum(dy * inner) / max(norm, eps); the other gradients are those of the inner form, bitwise."""
+        rdt, ldt = DTYPES[dname]
+        monkeypatch.setitem(kc._CONFIG_OVERRIDE, "bwd", (2, 16, 1, 1, False))  # 35 row blocks x 3 column blocks
+        monkeypatch.setattr(kc, "_FUSE_REDUCE", fused)
+        t = _inputs((70, 37), rdt, ldt, False, False, seed=12)
+        eps = _eps(rdt)
+        y, inner = kc.TRITON.compose_fwd(t["result"], t["lora"], t["magnitude"], t["norm"], SCALE, eps, None, None,
+                                         rdt, True)
+        dy = torch.randn(70, 37, generator=torch.Generator().manual_seed(4)).to(rdt)
+        common = (dy, t["magnitude"], t["norm"], SCALE, eps)
+        tail = (False, rdt, ldt, None, True, False)
+        ref_inner = kc.TRITON.compose_bwd(*common, inner, *tail)
+        got = kc.TRITON.compose_bwd(*common, y, *tail, dm_from_y=True)
+        eager = oc.compose_bwd_eager(*common, y, *tail, dm_from_y=True)
+        exact = (dy.double() * inner.double()).sum(0) / t["norm"].double().clamp_min(eps)
+        for i in (0, 1):
+            assert torch.equal(got[i], ref_inner[i])
+        assert got[3].dtype == t["magnitude"].dtype
+        rel = 1e-5 if dname == "fp32" else 2e-2  # y's rounding instead of inner's (bf16: 2^-9 per element)
+        for what, dm in (("kernel", got[3]), ("eager", eager[3]), ("inner form", ref_inner[3])):
+            err = (dm.double() - exact).abs().max().item()
+            assert err <= rel * exact.abs().max().item(), (what, err)
+        if dname == "fp32":  # y's rounding is not inner's: the two forms differ (the flag reached the kernel)
+            assert not torch.equal(got[3], ref_inner[3])
+
     def test_fp64_and_empty_go_through():
         t = _inputs((5, 7), torch.float64, torch.float64, False, True)
         y, inner = kc.TRITON.compose_fwd(t["result"], t["lora"], t["magnitude"].double(), t["norm"].double(), SCALE,

@@ -50,6 +50,17 @@ def test_plan_h200_covers_issue_5(mb):
     assert all(not c.get("repeats") or c["repeats"] >= 3 for c in cfgs)
 
 
+def test_every_variant_has_label_color_and_options(mb):
+    """The report and plot name and colour every variant (a missing one raised KeyError after a whole run); every
+    fastdora variant's options are valid ``fastdora.enable`` options."""
+    from fastdora import config
+
+    assert set(mb.VARIANT_LABEL) == set(mb.VARIANTS) == set(mb.VARIANT_COLOR)
+    for v, opts in mb.FASTDORA_OPTIONS.items():
+        assert v in mb.VARIANTS
+        config.make_options(**opts)
+
+
 def test_fork_cuda_failure_is_recognised(mb):
     """The errors a forked worker raises when the parent initialised CUDA: the parent falls back to exec workers."""
     assert mb.fork_broke_cuda("RuntimeError: Cannot re-initialize CUDA in forked subprocess. To use CUDA with ...")

@@ -15,7 +15,8 @@ module's docstring. Design:
   ``[n_row_blocks, N]`` buffer; the last program of each column block to finish (an int32 counter per column block,
   kept per stream and reset by that program) sums the partials in a fixed order (no atomics on the values: bitwise
   deterministic for a given shape and GPU) and applies ``1 / max(norm, eps)``: one launch per backward. While a CUDA
-  graph is being captured a second small kernel does that sum instead.
+  graph is being captured a second small kernel does that sum instead. With ``dm_from_y`` (the whole-layer node's
+  bias-free layers) the saved tensor is the output ``y = g * inner`` and the last stage divides by ``m`` instead.
 - Block sizes are picked from the shape (no autotuning: the row split of the reduction must not depend on timing
   runs, and there is no warm-up cost); the benchmark ``benchmarks/kernels_bench.py`` sweeps the alternatives.
 - fp64 inputs and layouts the kernels do not cover (broadcast operands, feature dim not last) take the exact eager
@@ -154,7 +155,7 @@ if AVAILABLE:
         DELTA: tl.constexpr, WRITE_DRES: tl.constexpr, WRITE_DLORA: tl.constexpr,
         NEED_DM: tl.constexpr, NEED_DB: tl.constexpr, SOFT_BF16: tl.constexpr, PREFETCH: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVICT: tl.constexpr,
-        FUSE_RED: tl.constexpr, BLOCK_P: tl.constexpr,
+        FUSE_RED: tl.constexpr, BLOCK_P: tl.constexpr, DM_FROM_Y: tl.constexpr,
     ):
         # program (pid_m, pid_n): rows [pid_m * rows_per_prog, +rows_per_prog) x one BLOCK_N column block, in
         # BLOCK_M-row tiles; writes the gradients and one fp32 partial row of the magnitude (and bias) reduction.
@@ -230,7 +231,7 @@ if AVAILABLE:
             done = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
             if done == n_parts - 1:
                 _reduce_cols(part_dm_ptr, part_db_ptr, mag_ptr, norm_ptr, dm_ptr, db_ptr, cols, cmask, n_parts, N, eps,
-                             NEED_DM, NEED_DB, SOFT_BF16, BLOCK_P, BLOCK_N, ".cg")
+                             NEED_DM, NEED_DB, SOFT_BF16, BLOCK_P, BLOCK_N, ".cg", DM_FROM_Y)
                 # back to zero for the next launch on this stream (launches on one stream run one after another)
                 tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
@@ -238,11 +239,13 @@ if AVAILABLE:
     def _reduce_cols(
         part_dm_ptr, part_db_ptr, mag_ptr, norm_ptr, dm_ptr, db_ptr, cols, cmask, n_parts, N, eps,
         NEED_DM: tl.constexpr, NEED_DB: tl.constexpr, SOFT_BF16: tl.constexpr,
-        BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, CACHE: tl.constexpr,
+        BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, CACHE: tl.constexpr, DM_FROM_Y: tl.constexpr,
     ):
         # second stage: sum the [n_parts, N] partials of columns ``cols`` over parts in a fixed order (deterministic,
         # no atomics on the values); BLOCK_P partial rows per load keep many loads in flight. CACHE: the partials'
-        # load cache modifier (".cg": from L2, for partials other programs of the same launch wrote)
+        # load cache modifier (".cg": from L2, for partials other programs of the same launch wrote). DM_FROM_Y: the
+        # first stage summed dy * y (the bias-free output y = g * inner) instead of dy * inner, and
+        # dm = sum(dy * y) / m (= sum(dy * inner) / max(norm, eps), as g = m / max(norm, eps))
         acc_dm = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
         acc_db = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
         for p0 in range(0, n_parts, BLOCK_P):
@@ -254,9 +257,14 @@ if AVAILABLE:
             if NEED_DB:
                 acc_db += tl.load(part_db_ptr + off, mask=m, other=0.0, cache_modifier=CACHE)
         if NEED_DM:
-            n = tl.load(norm_ptr + cols, mask=cmask, other=1.0).to(tl.float32)
-            inv = tl.math.div_rn(1.0, tl.maximum(n, eps, propagate_nan=tl.PropagateNan.ALL))
-            tl.store(dm_ptr + cols, _cast_to(tl.sum(acc_dm, axis=0) * inv, dm_ptr, SOFT_BF16), mask=cmask)
+            if DM_FROM_Y:
+                m = tl.load(mag_ptr + cols, mask=cmask, other=1.0).to(tl.float32)
+                dm = tl.math.div_rn(tl.sum(acc_dm, axis=0), m)
+            else:
+                n = tl.load(norm_ptr + cols, mask=cmask, other=1.0).to(tl.float32)
+                inv = tl.math.div_rn(1.0, tl.maximum(n, eps, propagate_nan=tl.PropagateNan.ALL))
+                dm = tl.sum(acc_dm, axis=0) * inv
+            tl.store(dm_ptr + cols, _cast_to(dm, dm_ptr, SOFT_BF16), mask=cmask)
         if NEED_DB:
             g = _scale_g(mag_ptr, norm_ptr, cols, cmask, eps)
             tl.store(db_ptr + cols, (1.0 - g) * tl.sum(acc_db, axis=0), mask=cmask)
@@ -266,12 +274,12 @@ if AVAILABLE:
         part_dm_ptr, part_db_ptr, mag_ptr, norm_ptr, dm_ptr, db_ptr,
         n_parts, N, eps,
         NEED_DM: tl.constexpr, NEED_DB: tl.constexpr, SOFT_BF16: tl.constexpr,
-        BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, DM_FROM_Y: tl.constexpr,
     ):
         # the second stage as a kernel of its own (where the backward cannot count its programs: see _counters)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         _reduce_cols(part_dm_ptr, part_db_ptr, mag_ptr, norm_ptr, dm_ptr, db_ptr, cols, cols < N, n_parts, N, eps,
-                     NEED_DM, NEED_DB, SOFT_BF16, BLOCK_P, BLOCK_N, "")
+                     NEED_DM, NEED_DB, SOFT_BF16, BLOCK_P, BLOCK_N, "", DM_FROM_Y)
 
     _FWD = _launch.Launcher(_dora_fwd_kernel)
     _BWD = _launch.Launcher(_dora_bwd_kernel)
@@ -467,10 +475,11 @@ def compose_fwd(result, lora, magnitude, norm, scale, eps, bias, base_delta, out
 
 def compose_bwd(
     dy, magnitude, norm, scale, eps, inner, delta_form, result_dtype, lora_dtype, base_delta_dtype,
-    need_dm, need_dbias, feature_dim=-1, need_dresult=True, need_dlora=True,
+    need_dm, need_dbias, feature_dim=-1, need_dresult=True, need_dlora=True, dm_from_y=False,
 ):
     """Triton backward; same contract as ``compose_bwd_eager``. ``need_dresult`` / ``need_dlora`` (extra,
-    keyword-only in spirit) let the custom-op path skip outputs nobody asked for (returned as ``None``)."""
+    keyword-only in spirit) let the custom-op path skip outputs nobody asked for (returned as ``None``).
+    ``dm_from_y``: ``inner`` holds the bias-free output ``y = g * inner`` (see ``compose_bwd_eager``)."""
     N = dy.shape[-1] if dy.dim() else 1
     if (
         dy.dim() == 0
@@ -485,9 +494,10 @@ def compose_bwd(
     ):
         return _ops.compose_bwd_eager(
             dy, magnitude, norm, scale, eps, inner, delta_form, result_dtype, lora_dtype, base_delta_dtype,
-            need_dm, need_dbias, feature_dim, need_dlora,
+            need_dm, need_dbias, feature_dim, need_dlora, dm_from_y,
         )
     need_dbias = bool(need_dbias)
+    dm_from_y = bool(dm_from_y) and bool(need_dm)
     dev = dy.device
     M = dy.numel() // N if N else 0
     d_lora = torch.empty_like(dy, dtype=lora_dtype, memory_format=_CONTIG) if need_dlora else None
@@ -532,7 +542,7 @@ def compose_bwd(
                counts if counts is not None else mag)
     ints = (M, N, rows_per_prog, dys, ins, dres_s, dl_s, dbd_s)
     consts = (bool(delta_form), write_dres, d_lora is not None, bool(need_dm), need_dbias, soft, prefetch,
-              block_m, block_n, _BWD_EVICT, counts is not None, rp if counts is not None else 1)
+              block_m, block_n, _BWD_EVICT, counts is not None, rp if counts is not None else 1, dm_from_y)
     maxnreg = _BWD_MAXNREG if counts is not None else None
     with _launch.device_ctx(dy):
         entry = _BWD(grid, tensors, ints, (float(scale), float(eps)), consts, warps, _BWD_STAGES, maxnreg=maxnreg)
@@ -543,7 +553,7 @@ def compose_bwd(
                 (part_dm, part_db, mag, nrm, dm_out, db_out),
                 (n_parts, N),
                 (float(eps),),
-                (bool(need_dm), need_dbias, soft, rp, rb),
+                (bool(need_dm), need_dbias, soft, rp, rb, dm_from_y),
                 4,
             )
     if _native.NODE is not None and not (reduce and counts is None) and not delta_form and not need_dbias:
@@ -552,7 +562,7 @@ def compose_bwd(
             (dy2, in2 if need_dm else None, mag, nrm, d_result if write_dres else None, d_lora,
              part_dm if need_dm else None, dm, counts),
             (dy.dtype, inner.dtype if need_dm else None, result_dtype, lora_dtype, magnitude.dtype, norm.dtype),
-            int(write_dres) | int(d_lora is not None) << 1 | int(bool(need_dm)) << 2, M, N, n_parts,
+            int(write_dres) | int(d_lora is not None) << 1 | int(bool(need_dm)) << 2 | int(dm_from_y) << 3, M, N, n_parts,
             n_col if counts is not None else 0,
         )
     return d_result, d_lora, d_bd, dm, d_bias

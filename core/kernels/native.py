@@ -137,10 +137,10 @@ def _configure(mod) -> None:
     def slow_fwd(result, lora, magnitude, norm, bias, scale, eps, out_dtype, save_inner):
         return kc.compose_fwd(result, lora, magnitude, norm, scale, eps, bias, None, out_dtype, save_inner)
 
-    def slow_bwd(dy, magnitude, norm, scale, eps, inner, rd, ld, need_dm, need_dres, need_dlora):
+    def slow_bwd(dy, magnitude, norm, scale, eps, inner, rd, ld, need_dm, need_dres, need_dlora, dm_from_y):
         d_result, d_lora, _, dm, _ = kc.compose_bwd(dy, magnitude, norm, scale, eps, inner, False, rd, ld, None,
                                                     need_dm, False, -1, need_dresult=need_dres,
-                                                    need_dlora=need_dlora)
+                                                    need_dlora=need_dlora, dm_from_y=dm_from_y)
         return d_result, d_lora, dm
 
     def lora_b_coefs(magnitude, norm, eps, scale, acc64, lora_b, lora_dtype, need_dh, need_db):
@@ -380,6 +380,6 @@ def register_bwd(launcher, entry, grid, tensors, ints, floats, consts, num_warps
                  dtypes, flags, M, N, n_parts, n_counters):
     """After a backward launch (fused reduction, or none): register its template (``named`` in ``ROLES_BWD``
     order; ``dtypes``: dy, inner-or-None, result, lora, magnitude, norm; ``flags``: d_result | d_lora << 1 |
-    dm << 2)."""
+    dm << 2 | dm_from_y << 3)."""
     _register(1, launcher, entry, grid, tensors, ints, floats, consts, (num_warps, num_stages, maxnreg), named,
               dtypes, flags, M, N, n_parts, n_counters)

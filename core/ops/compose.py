@@ -251,8 +251,12 @@ def compose_bwd_eager(
     need_dbias: bool,
     feature_dim: int = -1,
     need_dlora: bool = True,
+    dm_from_y: bool = False,
 ):
-    """Returns ``(d_result, d_lora, d_base_delta, dm, d_bias)`` (``None`` where not needed)."""
+    """Returns ``(d_result, d_lora, d_base_delta, dm, d_bias)`` (``None`` where not needed). ``dm_from_y``:
+    ``inner`` holds the layer's bias-free output ``y = g * inner`` instead (the whole-layer node saves it where the
+    model's next ops keep it anyway), and ``dm = sum(dy * y) / m``: the same value, as ``g = m / max(norm, eps)``;
+    the caller guarantees a magnitude without zeros."""
     acc = acc_dtype_for(dy, magnitude)
     vs = _view_shape(dy, feature_dim)
     coefs = _row_coefs(magnitude, norm, eps, scale, acc)
@@ -277,7 +281,10 @@ def compose_bwd_eager(
             d_base_delta = None
     dm = None
     if need_dm:
-        dm = _rowsum_product(dy, inner, feature_dim, acc) * coefs.get("inv")
+        if dm_from_y:
+            dm = _rowsum_product(dy, inner, feature_dim, acc) / magnitude.reshape(-1).to(acc)
+        else:
+            dm = _rowsum_product(dy, inner, feature_dim, acc) * coefs.get("inv")
         dm = dm.to(magnitude.dtype).view(magnitude.shape)
     d_bias = None
     if need_dbias:

@@ -122,7 +122,8 @@ struct KeyHash {
 // never destroyed: a static map's destructor would run after Python's finalisation and DECREF without the GIL
 auto& g_templates = *new std::unordered_map<Key, TemplatePtr, KeyHash>();
 PyObject* g_slow_fwd = nullptr;      // (result, lora, magnitude, norm, bias, scale, eps, out_dtype, save_inner)
-PyObject* g_slow_bwd = nullptr;      // (dy, magnitude, norm, scale, eps, inner, rd, ld, need_dm, need_dres, need_dlora)
+PyObject* g_slow_bwd = nullptr;      // (dy, magnitude, norm, scale, eps, inner, rd, ld, need_dm, need_dres, need_dlora,
+                                     //  dm_from_y)
 PyObject* g_capturing = nullptr;     // () -> bool: the current CUDA stream is capturing a graph
 PyObject* g_hooks_active = nullptr;  // () -> bool: Triton launch hooks are set (the Python launcher serves them)
 PyObject* g_counters = nullptr;      // (dy, n) -> zeroed int32 program counters of dy's current stream
@@ -173,10 +174,10 @@ Key fwd_key(const at::Tensor& r, const at::Tensor& l, at::ScalarType out, const 
 }
 
 Key bwd_key(const at::Tensor& dy, const at::Tensor& inner, at::ScalarType rd, at::ScalarType ld, const at::Tensor& m,
-            const at::Tensor& n, bool need_dres, bool need_dlora, bool need_dm, int64_t M, int64_t N) {
+            const at::Tensor& n, bool need_dres, bool need_dlora, bool need_dm, bool from_y, int64_t M, int64_t N) {
   int64_t dt = st(dy) | st(inner) << 6 | st(rd) << 12 | st(ld) << 18 | st(m) << 24 | st(n) << 30;
   int64_t dev = dy.is_cuda() ? dy.get_device() : -1;
-  return Key{{1, M, N, dt, dev, (need_dres ? 1 : 0) | (need_dlora ? 2 : 0) | (need_dm ? 4 : 0)}};
+  return Key{{1, M, N, dt, dev, (need_dres ? 1 : 0) | (need_dlora ? 2 : 0) | (need_dm ? 4 : 0) | (from_y ? 8 : 0)}};
 }
 
 [[noreturn]] void throw_py() {  // the pending Python error, as the exception autograd / HANDLE_TH_ERRORS rethrow
@@ -405,10 +406,12 @@ std::pair<at::Tensor, at::Tensor> run_fwd(const at::Tensor& result, const at::Te
   return {y, inner};
 }
 
-// The composition's backward launch for the requested gradients: (d_result, d_lora, dm). Needs the GIL.
+// The composition's backward launch for the requested gradients: (d_result, d_lora, dm). Needs the GIL. from_y:
+// `inner` is the bias-free output y = g * inner, and dm = sum(dy * y) / m (the whole-layer node's saved output).
 std::vector<at::Tensor> run_bwd(const at::Tensor& dy, const at::Tensor& inner, const at::Tensor& magnitude,
                                 const at::Tensor& norm, double scale, double eps, at::ScalarType rd, at::ScalarType ld,
-                                bool need_dres, bool need_dlora, bool need_dm) {
+                                bool need_dres, bool need_dlora, bool need_dm, bool from_y = false) {
+  from_y = from_y && need_dm;
   at::Tensor d_result, d_lora, dm;
   const int64_t N = dy.dim() ? dy.size(-1) : 1;
   const int64_t M = N ? dy.numel() / N : 0;
@@ -417,7 +420,7 @@ std::vector<at::Tensor> run_bwd(const at::Tensor& dy, const at::Tensor& inner, c
       aligned(magnitude) && aligned(norm) &&
       (!need_dm || (inner.sizes() == dy.sizes() && row_major(inner, N) && aligned(inner)))) {
     auto it = g_templates.find(bwd_key(dy, need_dm ? inner : at::Tensor(), rd, ld, magnitude, norm, need_dres,
-                                       need_dlora, need_dm, M, N));
+                                       need_dlora, need_dm, from_y, M, N));
     if (it != g_templates.end() && (dy.is_cuda() || it->second->tensor_args || g_host_templates))
       tp = it->second;
   }
@@ -466,9 +469,10 @@ std::vector<at::Tensor> run_bwd(const at::Tensor& dy, const at::Tensor& inner, c
   } else {
     ++g_slow;
     PyObject* r = PyObject_CallFunction(
-        g_slow_bwd, "NNNddNOOOOO", wrap(dy), wrap(magnitude), wrap(norm), scale, eps, wrap(inner),
+        g_slow_bwd, "NNNddNOOOOOO", wrap(dy), wrap(magnitude), wrap(norm), scale, eps, wrap(inner),
         reinterpret_cast<PyObject*>(torch::getTHPDtype(rd)), reinterpret_cast<PyObject*>(torch::getTHPDtype(ld)),
-        need_dm ? Py_True : Py_False, need_dres ? Py_True : Py_False, need_dlora ? Py_True : Py_False);
+        need_dm ? Py_True : Py_False, need_dres ? Py_True : Py_False, need_dlora ? Py_True : Py_False,
+        from_y ? Py_True : Py_False);
     auto out = fallback_result(r, 3, "slow_bwd");
     d_result = out[0];
     d_lora = out[1];
@@ -619,7 +623,18 @@ struct LinearExtra {  // dora_linear's non-differentiable inputs
   double scale, eps;
   bool discard = false;     // checkpointing discards what the node saves (placeholder for inner)
   bool train = true;        // grad mode was on at the call: save what the backward needs
+  bool from_y = false;      // the magnitude's gradient from the saved output (the caller checked m has no zeros)
 };
+
+// Whether the magnitude's gradient comes from the saved output y instead of inner: dm = sum(dy * y) / m, the same
+// value as sum(dy * inner) / max(norm, eps) since y = g * inner with g = m / max(norm, eps). The model's next ops
+// keep most layers' y anyway (SiLU and the gate product keep gate's and up's, attention v's), so saving y instead
+// of inner takes no memory of its own there, and the forward writes no inner. Not with a bias (y - bias would
+// cancel) nor in fp16 (its narrow range loses y's low bits where g is small).
+bool dm_from_output(const LinearExtra& le, at::ScalarType out) {
+  return le.from_y && !le.bias.defined() &&
+         (out == at::kFloat || out == at::kBFloat16 || out == at::kDouble);
+}
 
 // version counters of the weights the backward reads (an in-place change in between is an error, as autograd's)
 void check_version(AutogradContext* ctx, const char* key, const at::Tensor& t, const char* what) {
@@ -645,13 +660,19 @@ struct LinearNode : public torch::autograd::Function<LinearNode> {
     ex.eps = le.eps;
     ex.out_dtype = result.scalar_type();
     const bool need_dm = le.train && magnitude.requires_grad();
-    auto yi = run_fwd(result, lora, magnitude, ex, need_dm && !le.discard);
+    const bool from_y = need_dm && dm_from_output(le, ex.out_dtype);
+    auto yi = run_fwd(result, lora, magnitude, ex, need_dm && !from_y && !le.discard);
     if (!le.train) return yi.first;
-    at::Tensor inner = yi.second;
-    if (need_dm && le.discard) inner = placeholder(result, lora);
+    // y is saved as a detached alias (same storage and version counter, no grad_fn): saving y itself would put this
+    // node in y's to-save list while y's grad_fn is the node, a reference cycle (node -> y -> node) that is never
+    // freed where a saved-tensor pack hook raises mid-save (non-reentrant checkpointing's early stop, at the last
+    // tensor a checkpointed region saves, interrupts save_variables before it clears that list)
+    at::Tensor inner = from_y ? yi.first.detach() : yi.second;
+    if (need_dm && !from_y && le.discard) inner = placeholder(result, lora);
     save_common(ctx, magnitude, ex, result, lora, need_dm);
     const at::Tensor x2 = as_rows(x), h2 = as_rows(h);
     auto& sd = ctx->saved_data;
+    sd["fy"] = from_y;
     sd["w"] = le.weight;
     sd["a"] = a;
     sd["b"] = b;
@@ -661,7 +682,7 @@ struct LinearNode : public torch::autograd::Function<LinearNode> {
     sd["xsz"] = x.sizes().vec();
     sd["xd"] = st(x);
     sd["xl"] = std::vector<int64_t>{x2.size(0), x2.stride(0), x2.stride(1), h2.stride(0), h2.stride(1)};
-    // what the backward reads of the activations: x for A's gradient, h for B's, inner for the magnitude's
+    // what the backward reads of the activations: x for A's gradient, h for B's, inner (or y) for the magnitude's
     ctx->save_for_backward({a.requires_grad() ? x : at::Tensor(), b.requires_grad() ? h : at::Tensor(),
                             need_dm ? inner : at::Tensor()});
     return yi.first;
@@ -677,20 +698,29 @@ struct LinearNode : public torch::autograd::Function<LinearNode> {
     // the separate composition node's flags: d_result for the base layer (x), d_lora for lora_B (x, A or B)
     const bool need_dres = need_xb, need_dlora = need_xa || need_da || need_db;
     if (!(need_dres || need_dlora || need_dm)) return out;
-    auto saved = ctx->get_saved_variables();
+    const bool from_y = sd["fy"].toBool();
+    std::vector<at::Tensor> saved;
+    try {
+      saved = ctx->get_saved_variables();
+    } catch (const c10::Error& e) {
+      if (!from_y) throw;
+      TORCH_CHECK(false, e.what_without_backtrace(), "\nfastdora: the DoRA Linear node saves its output for the "
+                  "magnitude's gradient; if the model changes a layer's output in place, switch this off with "
+                  "fastdora's option dm_from_output=False");
+    }
     const at::Tensor weight = sd["w"].toTensor(), a = sd["a"].toTensor(), b = sd["b"].toTensor();
     // the weights each gradient reads (the separate nodes' saved weights): W and A for x's, B for x's and A's
     if (need_xb) check_version(ctx, "vw", weight, "the base weight");
     if (need_xa) check_version(ctx, "va", a, "lora_A's weight");
     if (need_xa || need_da) check_version(ctx, "vb", b, "lora_B's weight");
-    const at::Tensor inner = has_dm ? saved_inner(saved[2]) : at::Tensor();
+    const at::Tensor inner = has_dm ? (from_y ? saved[2] : saved_inner(saved[2])) : at::Tensor();
     const at::Tensor dy = grads[0].contiguous();
     const auto ld = static_cast<at::ScalarType>(sd["ld"].toInt());
     std::vector<at::Tensor> g;
     {
       GIL gil;
       g = run_bwd(dy, inner, sd["m"].toTensor(), sd["n"].toTensor(), sd["s"].toDouble(), sd["e"].toDouble(),
-                  static_cast<at::ScalarType>(sd["rd"].toInt()), ld, need_dres, need_dlora, need_dm);
+                  static_cast<at::ScalarType>(sd["rd"].toInt()), ld, need_dres, need_dlora, need_dm, from_y);
     }
     out[4] = need_dm ? g[2] : at::Tensor();
     const auto xl = sd["xl"].toIntVector();  // x's and h's [rows, features] layouts in the forward's mm
@@ -945,18 +975,19 @@ PyObject* py_compose_b(PyObject*, PyObject* const* a, Py_ssize_t n) {
   END_HANDLE_TH_ERRORS
 }
 
-// dora_linear(x, weight, bias, lora_a, lora_b, magnitude, norm, scale, eps, discard) -> y: the whole layer
-// (autograd-aware where grad mode is on; an inference call otherwise; bias: the base layer's frozen bias or None)
+// dora_linear(x, weight, bias, lora_a, lora_b, magnitude, norm, scale, eps, discard, dm_from_y) -> y: the whole
+// layer (autograd-aware where grad mode is on; an inference call otherwise; bias: the base layer's frozen bias or
+// None; dm_from_y: the magnitude's gradient may come from the saved output, see dm_from_output)
 PyObject* py_dora_linear(PyObject*, PyObject* const* a, Py_ssize_t n) {
   HANDLE_TH_ERRORS
-  if (!n_args(n, 10, "dora_linear")) return nullptr;
+  if (!n_args(n, 11, "dora_linear")) return nullptr;
   LinearExtra le;
   le.weight = unwrap(a[1]);
   le.bias = unwrap(a[2]);
   le.norm = unwrap(a[6]);
   le.scale = PyFloat_AsDouble(a[7]);
   le.eps = PyFloat_AsDouble(a[8]);
-  if (PyErr_Occurred() || !truth(a[9], le.discard)) return nullptr;
+  if (PyErr_Occurred() || !truth(a[9], le.discard) || !truth(a[10], le.from_y)) return nullptr;
   le.train = at::GradMode::is_enabled();
   const at::Tensor x = unwrap(a[0]);
   ++g_layer;
@@ -982,7 +1013,7 @@ PyMethodDef methods[] = {
     {"compose_b", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_compose_b)), METH_FASTCALL,
      "compose_b(result, h, lora_b, magnitude, norm, bias, scale, eps, out_dtype or None, discard) -> y"},
     {"dora_linear", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_dora_linear)), METH_FASTCALL,
-     "dora_linear(x, weight, bias, lora_a, lora_b, magnitude, norm, scale, eps, discard) -> y"},
+     "dora_linear(x, weight, bias, lora_a, lora_b, magnitude, norm, scale, eps, discard, dm_from_y) -> y"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "fastdora_compose_node", nullptr, -1, methods};
