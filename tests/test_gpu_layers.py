@@ -108,7 +108,8 @@ def test_training_steps_norm_cache_and_checkpointing():
 def test_lean_forward_bitwise_chain_triton(setup):
     """The lean module forward vs PEFT's forward -> variant chain on the Triton path, with checkpointing: bitwise
     the same loss and logits, and the lean path taken (PEFT's Linear.forward not called). Gradients: bitwise in pure
-    bf16 but the magnitudes' (the whole-layer node takes them from the saved outputs: y's rounding); in AMP the lean path skips PEFT's exact fp32 round trip of the input (a shorter autograd graph), so where
+    bf16 but the magnitudes' (the whole-layer node takes them from the saved outputs: y's rounding); in AMP the lean
+    path skips PEFT's exact fp32 round trip of the input (a shorter autograd graph), so where
     several layers' input gradients meet (q/k/v, gate/up) autograd may sum them in another order: equal up to bf16
     summation order there."""
     from peft.tuners.lora.layer import Linear as LoraLinear

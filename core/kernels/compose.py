@@ -562,7 +562,8 @@ def compose_bwd(
             (dy2, in2 if need_dm else None, mag, nrm, d_result if write_dres else None, d_lora,
              part_dm if need_dm else None, dm, counts),
             (dy.dtype, inner.dtype if need_dm else None, result_dtype, lora_dtype, magnitude.dtype, norm.dtype),
-            int(write_dres) | int(d_lora is not None) << 1 | int(bool(need_dm)) << 2 | int(dm_from_y) << 3, M, N, n_parts,
+            int(write_dres) | int(d_lora is not None) << 1 | int(bool(need_dm)) << 2 | int(dm_from_y) << 3,
+            M, N, n_parts,
             n_col if counts is not None else 0,
         )
     return d_result, d_lora, d_bd, dm, d_bias
