@@ -281,10 +281,8 @@ def compose_bwd_eager(
             d_base_delta = None
     dm = None
     if need_dm:
-        if dm_from_y:
-            dm = _rowsum_product(dy, inner, feature_dim, acc) / magnitude.reshape(-1).to(acc)
-        else:
-            dm = _rowsum_product(dy, inner, feature_dim, acc) * coefs.get("inv")
+        dm = _rowsum_product(dy, inner, feature_dim, acc)
+        dm = dm / magnitude.reshape(-1).to(acc) if dm_from_y else dm * coefs.get("inv")
         dm = dm.to(magnitude.dtype).view(magnitude.shape)
     d_bias = None
     if need_dbias:

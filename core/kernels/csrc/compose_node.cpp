@@ -713,7 +713,7 @@ struct LinearNode : public torch::autograd::Function<LinearNode> {
     if (need_xb) check_version(ctx, "vw", weight, "the base weight");
     if (need_xa) check_version(ctx, "va", a, "lora_A's weight");
     if (need_xa || need_da) check_version(ctx, "vb", b, "lora_B's weight");
-    const at::Tensor inner = has_dm ? (from_y ? saved[2] : saved_inner(saved[2])) : at::Tensor();
+    const at::Tensor inner = has_dm ? saved_inner(saved[2]) : at::Tensor();  // y is never a placeholder
     const at::Tensor dy = grads[0].contiguous();
     const auto ld = static_cast<at::ScalarType>(sd["ld"].toInt());
     std::vector<at::Tensor> g;
