@@ -12,6 +12,7 @@ PEFT way (without ``fastdora_result``) the module returns exactly what PEFT's re
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -745,7 +746,8 @@ def lean_linear_forward(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
             record(_LINEAR_TRITON)
             train = m.requires_grad and torch.is_grad_enabled()
             discard = train and _compose_ops.saves_discarded()
-            from_y = train and bias is None and opts.dm_from_output and _magnitude_nonzero(mag, m)
+            from_y = (train and bias is None and opts.dm_from_output and _linear_out_dtype(x) in _FROM_Y_DTYPES
+                      and _magnitude_nonzero(mag, m))
             return node.dora_linear(x, weight, bias, a_weight, b_weight, m, norm, float(scaling), eps_for(x_dtype),
                                     discard, from_y)
     if bare_base:
@@ -775,22 +777,75 @@ _LINEAR_TRITON = path_key("linear", "triton")
 _MAGNITUDE_FLOOR = 1e-20
 
 
+# the output dtypes for which the C++ node may take dm from y (its dm_from_output rule: fp16's range loses y's low bits)
+_FROM_Y_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+_AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)  # what autocast casts (not fp64)
+# magnitude modules of lean-forward layers (enable(model)'s and those checked once): a stale check batches every stale
+# one on its device (_check_magnitudes)
+CHECKED_MAGNITUDES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def _linear_out_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype of ``F.linear(x, W)`` for a ``W`` of ``x``'s dtype (the base layer's output, the node's output):
+    autocast's dtype for an fp32 / fp16 / bf16 ``x`` where autocast is on for its device, else ``x``'s."""
+    dev = x.device.type
+    if x.dtype in _AUTOCAST_ELIGIBLE and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return x.dtype
+
+
+def _m_key(m: torch.Tensor) -> tuple:
+    return (m.data_ptr(), m._version)
+
+
 def _magnitude_nonzero(mag: nn.Module, m: torch.Tensor) -> bool:
     """Whether every element of the magnitude ``m`` has ``|m| >= _MAGNITUDE_FLOOR`` (so that the whole-layer node may
     take the magnitude's gradient from its output, option ``dm_from_output``). Checked once per update of ``m`` (its
-    storage and version counter; one host sync per layer and optimizer step) and cached on the magnitude module, so
-    that a checkpoint's recomputation decides as its first forward did. During a CUDA graph capture (no sync
-    possible) the answer is False, cached for that version too."""
-    key = (m.data_ptr(), m._version)
+    storage and version counter) and cached on the magnitude module, so that a checkpoint's recomputation decides as
+    its first forward did. The check is batched (:func:`_check_magnitudes`): after an optimizer step the first layer's
+    forward checks every updated magnitude on its device with one host sync, the other layers find the answer cached.
+    During a CUDA graph capture (no sync possible) the answer is False, cached for that version too."""
     hit = mag.__dict__.get("_fastdora_m_nonzero")
-    if hit is not None and hit[0] is m and hit[1] == key:
+    if hit is not None and hit[0] is m and hit[1] == _m_key(m):
         return hit[2]
     if m.is_cuda and torch.cuda.is_current_stream_capturing():
-        ok = False
-    else:
-        ok = bool(torch.all(m.detach().abs() >= _MAGNITUDE_FLOOR))
-    mag.__dict__["_fastdora_m_nonzero"] = (m, key, ok)
-    return ok
+        mag.__dict__["_fastdora_m_nonzero"] = (m, _m_key(m), False)
+        return False
+    CHECKED_MAGNITUDES.add(mag)
+    return _check_magnitudes(mag, m)
+
+
+def _stale_magnitude(mag: nn.Module, like: torch.Tensor) -> Optional[torch.Tensor]:
+    """``mag``'s magnitude parameter if a batched check for ``like`` should include it: trainable, of ``like``'s type
+    and device, and changed since its last check (or never checked)."""
+    p = mag._parameters.get("weight")
+    if p is None or p is like or not p.requires_grad or type(p) is not type(like) or p.device != like.device:
+        return None
+    if p.is_inference():
+        return None
+    hit = mag.__dict__.get("_fastdora_m_nonzero")
+    return p if hit is None or hit[0] is not p or hit[1] != _m_key(p) else None
+
+
+def _check_magnitudes(mag: nn.Module, m: torch.Tensor) -> bool:
+    """Check ``m`` and every other stale magnitude on its device (see :func:`_stale_magnitude`) in one pass: their
+    elements concatenated (in the promoted dtype: exact for every float magnitude), one count of ``|m| < floor`` per
+    magnitude from a cumulative sum, one host sync. Caches each answer under its magnitude's current key; returns
+    ``m``'s."""
+    group = [(mag, m)]
+    for other in list(CHECKED_MAGNITUDES):
+        p = None if other is mag else _stale_magnitude(other, m)
+        if p is not None:
+            group.append((other, p))
+    with torch.no_grad():
+        flat = [p.detach().reshape(-1) for _, p in group]
+        bad = torch.cat(flat).abs() < _MAGNITUDE_FLOOR
+        ends = torch.tensor([0] + [t.numel() for t in flat], device=bad.device).cumsum(0)
+        counts = torch.cat([bad.new_zeros(1, dtype=torch.int64), bad.cumsum(0)])[ends]  # bad ones before each end
+        oks = [c == 0 for c in torch.diff(counts).tolist()]
+    for (module, p), ok in zip(group, oks):
+        module.__dict__["_fastdora_m_nonzero"] = (p, _m_key(p), ok)
+    return oks[0]
 
 
 def _lean_norm(mag, a, opts, base_layer, lora_A, lora_B, a_weight, b_weight, scaling):

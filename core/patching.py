@@ -142,7 +142,8 @@ def _install_lean(module: nn.Module, mag: nn.Module, options: _config.Options) -
     conditions itself): the first call then takes the same path as every later one, also in a checkpoint's first
     forward and its recomputation."""
     if options.lean_forward and type(mag) is _layers.FastDoraLinearLayer:
-        _layers.install_lean_forward(module)
+        if _layers.install_lean_forward(module):
+            _layers.CHECKED_MAGNITUDES.add(mag)  # the magnitude check batches the model's layers from the first step
 
 
 def _set_peft_globals(fast: bool) -> None:

@@ -346,3 +346,55 @@ def test_autocast_round_trip_cast_skipped():
             rest.remove(c)
         assert counts["lean"] == rest
     assert not L._autocast_round_trip(x.float(), torch.float32)
+
+
+def _magnitudes(model):
+    return [m for m in model.modules() if type(m) is L.FastDoraLinearLayer]
+
+
+def test_magnitude_check_batched_per_update(monkeypatch):
+    """``dm_from_output``'s magnitude check: ``enable(model)`` registers every layer's magnitude, so after an update
+    of all of them the first layer's check answers for every stale one in one pass (one call of
+    ``_check_magnitudes``, one host sync), each answer equal to that magnitude's own fp64 check and cached under its
+    version; a magnitude changed later is checked again, alone; mixed dtypes and a frozen magnitude."""
+    torch.manual_seed(0)
+    models = [make_pair(lambda: MLP(bias=False, d_hidden=64), enable=False)[1] for _ in range(2)]
+    models[1].to(torch.bfloat16)  # a second model, bf16 magnitudes: batched with the first model's fp32 ones
+    for model in models:
+        fastdora.enable(model, kernels="eager")
+    mags = [mag for model in models for mag in _magnitudes(model)]
+    assert len(mags) == 4 and all(mag in L.CHECKED_MAGNITUDES for mag in mags)
+    calls = []
+    orig = L._check_magnitudes
+    monkeypatch.setattr(L, "_check_magnitudes", lambda mag, m: calls.append(mag) or orig(mag, m))
+    frozen = mags[3].weight.requires_grad_(False)  # not trainable: never checked, never cached
+    with torch.no_grad():
+        mags[1].weight[5] = 1e-21  # below the floor (1e-20)
+        mags[2].weight[7] = -2e-20  # above it in magnitude (bf16 rounds it, still >= 1e-20)
+        mags[0].weight[3] = 1e-19
+    want = [bool((mag.weight.double().abs() >= L._MAGNITUDE_FLOOR).all()) for mag in mags]
+    assert want[:3] == [True, False, True]
+    assert L._magnitude_nonzero(mags[0], mags[0].weight) is True
+    assert calls == [mags[0]]
+    for mag, ok in zip(mags[:3], want):
+        assert mag.__dict__["_fastdora_m_nonzero"] == (mag.weight, L._m_key(mag.weight), ok)
+        assert L._magnitude_nonzero(mag, mag.weight) is ok
+    assert "_fastdora_m_nonzero" not in mags[3].__dict__ and not frozen.requires_grad
+    assert len(calls) == 1  # every later lookup a cache hit
+    with torch.no_grad():
+        mags[1].weight[5] = 0.25  # a new version of one magnitude: checked again, alone
+    assert L._magnitude_nonzero(mags[0], mags[0].weight) is True and len(calls) == 1
+    assert L._magnitude_nonzero(mags[1], mags[1].weight) is True and calls[1:] == [mags[1]]
+
+
+@pytest.mark.parametrize("dtype,autocast,want", [
+    (torch.float32, None, torch.float32), (torch.float16, None, torch.float16),
+    (torch.float32, torch.bfloat16, torch.bfloat16), (torch.float16, torch.bfloat16, torch.bfloat16),
+    (torch.float64, torch.bfloat16, torch.float64), (torch.bfloat16, torch.float16, torch.float16),
+])
+def test_linear_out_dtype(dtype, autocast, want):
+    """``_linear_out_dtype`` (which decides whether the magnitude check is needed: not for an fp16 output) is the
+    dtype ``F.linear`` returns, under CPU autocast or without."""
+    x, w = torch.randn(3, 4, dtype=dtype), torch.randn(5, 4, dtype=dtype)
+    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        assert L._linear_out_dtype(x) == torch.nn.functional.linear(x, w).dtype == want

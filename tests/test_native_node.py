@@ -1124,6 +1124,56 @@ if _INNER:
         assert mag.__dict__["_fastdora_m_nonzero"][2] is True
         assert any(t.data_ptr() == y.data_ptr() for t in saved)
 
+    @pytest.mark.parametrize("dname", ["fp32", "bf16", "fp16"])
+    def test_lean_forward_magnitude_check_once_per_step(dname, monkeypatch):
+        """Training steps through the whole-layer node: each optimizer step makes every magnitude stale, and one
+        ``_check_magnitudes`` call (one host sync) per step answers for all of the model's layers; the layers save
+        their outputs (``dm_from_output``). An fp16 model never checks (its outputs are not saved for dm) and saves
+        inner. Gradients match stock PEFT's."""
+        import fastdora
+        from fastdora import dispatch
+        from fastdora import layers as L
+        from peft import LoraConfig, get_peft_model
+        from torch import nn
+
+        from .helpers import perturb_
+
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dname]
+        monkeypatch.setattr(dispatch, "compose_impl", lambda *a, **k: kc.TRITON)
+        monkeypatch.setattr(dispatch, "layer_node", lambda x, w, m, k: kc.layer_node(x))
+        calls = []
+        orig = L._check_magnitudes
+        monkeypatch.setattr(L, "_check_magnitudes", lambda mag, m: calls.append(mag) or orig(mag, m))
+
+        def build():
+            torch.manual_seed(0)
+            base = nn.Sequential(nn.Linear(32, 48, bias=False), nn.GELU(), nn.Linear(48, 40, bias=False),
+                                 nn.GELU(), nn.Linear(40, 16, bias=False))
+            pm = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["0", "2", "4"], use_dora=True))
+            perturb_(pm)
+            return pm.to(dtype)
+
+        ref, model = build(), build()
+        fastdora.enable(model)
+        opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05) for m in (ref, model)]
+        for step in range(3):
+            for micro in range(2):
+                x = torch.randn(5, 32, generator=torch.Generator().manual_seed(10 * step + micro)).to(dtype)
+                saved = []
+                with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+                    y = model(x)
+                y.float().square().mean().backward()
+                ref(x).float().square().mean().backward()
+                assert any(t.data_ptr() == y.data_ptr() for t in saved) == (dtype != torch.float16)
+            assert len(calls) == (0 if dtype == torch.float16 else step + 1)
+            for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+                if p.requires_grad:
+                    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+                    torch.testing.assert_close(p.grad.float(), q.grad.float(), **tol, msg=f"step {step} {n}")
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+
     def test_node_entry_argument_errors():
         """Each fast-call entry names itself and its argument count; a flag whose truth value raises propagates."""
         x, layers, _ = _layer_problem("fp32", (4, 24), 40, 4)
