@@ -55,24 +55,27 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 # fastdora_chain: lean_forward=False (PEFT's forward -> variant -> magnitude module chain on every call);
 # fastdora_nograph: graph_norm=False (the per-step norm recomputation as eager launches);
 # fastdora_sep: layer_node=False (each Linear layer as separate autograd nodes, the composition's in C++);
-# fastdora_inner: dm_from_output=False (the whole-layer node saves inner, not its output, for the magnitude)
+# fastdora_inner: dm_from_output=False (the whole-layer node saves inner, not its output, for the magnitude);
+# eager_old: --old-pkg's package with kernels="eager"
 VARIANTS = ["lora", "peft_dora", "fastdora", "eager", "fastdora_old", "fastdora_nofuse", "fastdora_fuse",
-            "fastdora_chain", "fastdora_nograph", "fastdora_sep", "fastdora_inner"]
+            "fastdora_chain", "fastdora_nograph", "fastdora_sep", "fastdora_inner", "eager_old"]
 VARIANT_LABEL = {"lora": "PEFT LoRA", "peft_dora": "PEFT DoRA", "fastdora": "fastdora DoRA",
                  "eager": "fastdora eager", "fastdora_old": "fastdora (--old-pkg)",
                  "fastdora_nofuse": "fastdora, fuse_lora_b=False",
                  "fastdora_fuse": "fastdora, fuse_lora_b=True", "fastdora_chain": "fastdora, lean_forward=False",
                  "fastdora_nograph": "fastdora, graph_norm=False", "fastdora_sep": "fastdora, layer_node=False",
-                 "fastdora_inner": "fastdora, dm_from_output=False"}
+                 "fastdora_inner": "fastdora, dm_from_output=False", "eager_old": "fastdora eager (--old-pkg)"}
 VARIANT_COLOR = {"lora": "#888888", "peft_dora": "#d62728", "fastdora": "#2ca02c", "eager": "#1f77b4",
                  "fastdora_old": "#9467bd", "fastdora_nofuse": "#17becf", "fastdora_fuse": "#bcbd22",
                  "fastdora_chain": "#8c564b", "fastdora_nograph": "#e377c2", "fastdora_sep": "#ff7f0e",
-                 "fastdora_inner": "#7f7f00"}
+                 "fastdora_inner": "#7f7f00", "eager_old": "#aec7e8"}
 # the variants that run fastdora, with their fastdora.enable() options
 FASTDORA_OPTIONS = {"fastdora": {}, "eager": {"kernels": "eager"}, "fastdora_old": {},
                     "fastdora_nofuse": {"fuse_lora_b": False}, "fastdora_fuse": {"fuse_lora_b": True},
                     "fastdora_chain": {"lean_forward": False}, "fastdora_nograph": {"graph_norm": False},
-                    "fastdora_sep": {"layer_node": False}, "fastdora_inner": {"dm_from_output": False}}
+                    "fastdora_sep": {"layer_node": False}, "fastdora_inner": {"dm_from_output": False},
+                    "eager_old": {"kernels": "eager"}}
+OLD_PKG_VARIANTS = ("fastdora_old", "eager_old")  # run --old-pkg's package
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -200,9 +203,9 @@ def apply_adapter(model, a, dev):
                 p.data = p.data.to(torch.bfloat16)
     info = {}
     if a.variant in FASTDORA_OPTIONS:
-        if a.variant == "fastdora_old":  # this worker process imports the earlier package as `fastdora`
+        if a.variant in OLD_PKG_VARIANTS:  # this worker process imports the earlier package as `fastdora`
             if not a.old_pkg:
-                raise RuntimeError("variant fastdora_old needs --old-pkg DIR (DIR/fastdora)")
+                raise RuntimeError(f"variant {a.variant} needs --old-pkg DIR (DIR/fastdora)")
             sys.path.insert(0, os.path.abspath(a.old_pkg))
         try:
             import fastdora
@@ -494,6 +497,13 @@ def plan_configs(plan, layers_q, layers_m):
         if plan.endswith("_fuse"):
             variants = ("lora", "fastdora_fuse", "fastdora_nofuse", "fastdora_fuse", "fastdora_nofuse", "peft_dora")
         add("qwen3-8b", layers_q, 384, setups=(plan.split("_")[0],), variants=variants)
+        return cfgs
+    if plan == "eager_bf16":  # where the eager fallback's pure-bf16 time goes (Qwen3-8B r=384): LoRA, eager and
+        # fastdora, each profiled once (torch.profiler: kernel time, GPU busy share, top ops), then LoRA / eager again
+        add("qwen3-8b", layers_q, 384, setups=("bf16",),
+            variants=("lora", "eager", "fastdora", "eager", "lora", "eager", "lora"))
+        for c in cfgs[:3]:
+            c["profile"] = True
         return cfgs
     if plan in ("mistral_bf16", "mistral_amp"):  # Mistral-Small-24B shapes at the target rank, one precision
         add("mistral-small-24b", layers_m, 384, setups=(plan.split("_")[1],),
@@ -1129,7 +1139,7 @@ def build_parser():
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--plan", default="h200", choices=["h200", "targets", "full", "r16", "coverage", "tiny", "final",
                                                       "gpu0", "gpu1", "bf16", "amp", "bf16_ab", "amp_ab", "bf16_fuse",
-                                                      "amp_fuse", "mistral_bf16", "mistral_amp"])
+                                                      "amp_fuse", "mistral_bf16", "mistral_amp", "eager_bf16"])
     p.add_argument("--variants", help="parent: run only these variants of the plan (comma-separated)")
     p.add_argument("--sequence", help="parent: run the plan's first config (shape, layers, rank, setup) with these "
                    "variants in this order, repeats allowed (comma-separated; e.g. --plan bf16 --sequence "
