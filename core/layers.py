@@ -798,6 +798,18 @@ def _m_key(m: torch.Tensor) -> tuple:
     return (m.data_ptr(), m._version)
 
 
+def _m_cached(mag: nn.Module, m: torch.Tensor) -> Optional[bool]:
+    """The magnitude check's answer cached on ``mag`` for ``m`` as it is now (same tensor, storage and version), else
+    None."""
+    hit = mag.__dict__.get("_fastdora_m_nonzero")
+    return hit[2] if hit is not None and hit[0] is m and hit[1] == _m_key(m) else None
+
+
+def _m_store(mag: nn.Module, m: torch.Tensor, ok: bool) -> bool:
+    mag.__dict__["_fastdora_m_nonzero"] = (m, _m_key(m), ok)
+    return ok
+
+
 def _magnitude_nonzero(mag: nn.Module, m: torch.Tensor) -> bool:
     """Whether every element of the magnitude ``m`` has ``|m| >= _MAGNITUDE_FLOOR`` (so that the whole-layer node may
     take the magnitude's gradient from its output, option ``dm_from_output``). Checked once per update of ``m`` (its
@@ -805,12 +817,11 @@ def _magnitude_nonzero(mag: nn.Module, m: torch.Tensor) -> bool:
     its first forward did. The check is batched (:func:`_check_magnitudes`): after an optimizer step the first layer's
     forward checks every updated magnitude on its device with one host sync, the other layers find the answer cached.
     During a CUDA graph capture (no sync possible) the answer is False, cached for that version too."""
-    hit = mag.__dict__.get("_fastdora_m_nonzero")
-    if hit is not None and hit[0] is m and hit[1] == _m_key(m):
-        return hit[2]
+    ok = _m_cached(mag, m)
+    if ok is not None:
+        return ok
     if m.is_cuda and torch.cuda.is_current_stream_capturing():
-        mag.__dict__["_fastdora_m_nonzero"] = (m, _m_key(m), False)
-        return False
+        return _m_store(mag, m, False)
     CHECKED_MAGNITUDES.add(mag)
     return _check_magnitudes(mag, m)
 
@@ -819,12 +830,10 @@ def _stale_magnitude(mag: nn.Module, like: torch.Tensor) -> Optional[torch.Tenso
     """``mag``'s magnitude parameter if a batched check for ``like`` should include it: trainable, of ``like``'s type
     and device, and changed since its last check (or never checked)."""
     p = mag._parameters.get("weight")
-    if p is None or p is like or not p.requires_grad or type(p) is not type(like) or p.device != like.device:
+    if (p is None or p is like or not p.requires_grad or type(p) is not type(like) or p.device != like.device
+            or p.is_inference()):
         return None
-    if p.is_inference():
-        return None
-    hit = mag.__dict__.get("_fastdora_m_nonzero")
-    return p if hit is None or hit[0] is not p or hit[1] != _m_key(p) else None
+    return p if _m_cached(mag, p) is None else None
 
 
 def _check_magnitudes(mag: nn.Module, m: torch.Tensor) -> bool:
@@ -844,7 +853,7 @@ def _check_magnitudes(mag: nn.Module, m: torch.Tensor) -> bool:
         counts = torch.cat([bad.new_zeros(1, dtype=torch.int64), bad.cumsum(0)])[ends]  # bad ones before each end
         oks = [c == 0 for c in torch.diff(counts).tolist()]
     for (module, p), ok in zip(group, oks):
-        module.__dict__["_fastdora_m_nonzero"] = (p, _m_key(p), ok)
+        _m_store(module, p, ok)
     return oks[0]
 
 
