@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 
 _MANTISSA = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}
+# the spacing of the dtype's subnormals: below its smallest normal an ulp is this, not 2**(exponent - mantissa)
+_SUBNORMAL_ULP = {torch.bfloat16: 2.0 ** -133, torch.float16: 2.0 ** -24, torch.float32: 2.0 ** -149}
 
 
 def assert_one_rounding(k: torch.Tensor, ref64: torch.Tensor, terms64: torch.Tensor, what: str) -> None:
@@ -17,7 +19,8 @@ def assert_one_rounding(k: torch.Tensor, ref64: torch.Tensor, terms64: torch.Ten
     other side of a rounding boundary) + 1e-6 x the magnitude of the summed terms (fp32 evaluation error)."""
     ref64 = ref64.double()
     _, e = torch.frexp(ref64)
-    ulp = torch.ldexp(torch.ones_like(ref64), (e - _MANTISSA[k.dtype]).to(torch.int32))
+    ulp = torch.ldexp(torch.ones_like(ref64), (e - _MANTISSA[k.dtype]).to(torch.int32)).clamp_min(
+        _SUBNORMAL_ULP[k.dtype])
     bound = ulp + 1e-6 * terms64.double()
     err = (k.double() - ref64).abs()
     bad = err > bound

@@ -32,7 +32,7 @@ def _llama(dtype, attn=None):
     return LlamaForCausalLM(cfg).to("cuda", dtype)
 
 
-def _pair(adapter_dtype, r=64, attn=None):
+def _pair(adapter_dtype, r=64, attn=None, kernels="triton"):
     from peft import LoraConfig, get_peft_model
 
     cfg = LoraConfig(r=r, lora_alpha=2 * r, use_dora=True, init_lora_weights=False,
@@ -44,7 +44,7 @@ def _pair(adapter_dtype, r=64, attn=None):
             if "magnitude" in n:
                 p.data.mul_(1 + 0.05 * torch.randn_like(p))
     fast = copy.deepcopy(ref)
-    report = fastdora.enable(fast, kernels="triton")
+    report = fastdora.enable(fast, kernels=kernels)
     assert report.converted.get("linear") == 14, str(report)
     return ref, fast
 
@@ -53,14 +53,17 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
 
 
-@pytest.mark.parametrize("setup", ["amp", "pure_bf16"])
-def test_model_parity_triton_path(setup):
-    adapter_dtype = torch.float32 if setup == "amp" else torch.bfloat16
-    ref, fast = _pair(adapter_dtype)
+def _parity_step(setup, kernels="triton", checkpointed=False):
+    """One forward + backward of stock PEFT DoRA and fastdora (``kernels``) on the same batch: logits and gradients
+    track PEFT's (bf16 noise level); returns nothing, asserts. ``active_path_counter`` holds the run's paths."""
+    ref, fast = _pair(torch.float32 if setup == "amp" else torch.bfloat16, kernels=kernels)
     ids = torch.randint(0, 1000, (2, 256), device="cuda")
     active_path_counter.clear()
     outs, grads = [], []
     for m in (ref, fast):
+        if checkpointed:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            m.enable_input_require_grads()
         m.train()
         m.zero_grad()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=setup == "amp"):
@@ -68,10 +71,34 @@ def test_model_parity_triton_path(setup):
         out.loss.backward()
         outs.append(out.logits.detach())
         grads.append({n: p.grad.detach() for n, p in m.named_parameters() if p.grad is not None})
-    assert active_path_counter["linear:triton"] == 14, active_path_counter
     assert _rel(outs[1], outs[0]) < 2e-2
+    assert grads[0].keys() == grads[1].keys()
     for n in grads[0]:
         assert _rel(grads[1][n], grads[0][n]) < 5e-2, n
+
+
+@pytest.mark.parametrize("setup", ["amp", "pure_bf16"])
+def test_model_parity_triton_path(setup):
+    _parity_step(setup)
+    assert active_path_counter["linear:triton"] == 14, active_path_counter
+
+
+@pytest.mark.parametrize("setup", ["amp", "pure_bf16"])
+def test_model_parity_eager_path_checkpointed(setup, monkeypatch):
+    """The exact PyTorch path on the GPU (``kernels="eager"``) under non-reentrant checkpointing: lora_B fused into
+    the composition's node (``fuse_lora_b``'s automatic default there), ``inner`` formed by one addmm, the per-row
+    passes through batch norm's kernels; logits and gradients track stock PEFT."""
+    from fastdora.ops import compose as oc
+
+    calls = {"addmm": 0, "rows": 0}
+    real_addmm, real_reduce = oc._compose_fwd_addmm, oc._rowsum_kernels
+    monkeypatch.setattr(oc, "_compose_fwd_addmm",
+                        lambda *a: calls.__setitem__("addmm", calls["addmm"] + 1) or real_addmm(*a))
+    monkeypatch.setattr(oc, "_rowsum_kernels",
+                        lambda *a: calls.__setitem__("rows", calls["rows"] + 1) or real_reduce(*a))
+    _parity_step(setup, kernels="eager", checkpointed=True)
+    assert active_path_counter["linear:eager"] == 28, active_path_counter  # forward + recomputation
+    assert calls == {"addmm": 28, "rows": 14}, calls
 
 
 def test_training_steps_norm_cache_and_checkpointing():

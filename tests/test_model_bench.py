@@ -45,8 +45,9 @@ def test_plan_h200_covers_issue_5(mb):
     full = [c for c in cfgs if c.get("full_depth")]
     assert {c["variant"] for c in full} == {"lora", "fastdora", "peft_dora"}
     assert all(c["layers"] == mb.SHAPES["qwen3-8b"]["full_layers"] == 36 for c in full)
-    # the target rows come first (a time budget drops the tail, never them)
+    # the target rows come first (a time budget drops the tail, never them), in exec workers (fresh interpreters)
     assert [c["rank"] for c in cfgs[:8]] == [384] * 8
+    assert [c.get("spawn") for c in cfgs] == ["exec"] * 8 + [None] * (len(cfgs) - 8)
     assert all(not c.get("repeats") or c["repeats"] >= 3 for c in cfgs)
 
 
@@ -115,6 +116,8 @@ def test_tiny_run_end_to_end(tmp_path, spawn):
         [(8, s, v) for s in ("amp", "bf16") for v in variants] + [(4, "amp", v) for v in variants if v != "eager"])
     pids = [x["pid"] for x in res]
     assert len(set(pids)) == len(pids) and doc["meta"]["parent_pid"] not in pids, "each config in its own process"
+    # plan tiny puts its second config in an exec worker (as plan h200 its target block); --all-forked is not given
+    assert [x["spawn"] for x in res] == [spawn, "exec"] + [spawn] * (len(res) - 2)
     for x in res:
         assert x["grad_iter_s"] > 0 and x["infer_s"] > 0 and len(x["grad_iter_s_all"]) == 2
         # the host's enqueue time of each timed iteration (CPU: the whole iteration) and the threads' CPU time
@@ -130,6 +133,7 @@ def test_tiny_run_end_to_end(tmp_path, spawn):
             assert "enable_report" not in x
     md = (out / "model_bench.md").read_text()
     assert "| tiny | 2 | amp | 8 | fastdora DoRA | 2 |" in md and "### Targets" in md
+    assert ("except these configs' (a fresh interpreter each, exec): tiny L=2 amp r=8" in md) == (spawn == "fork")
 
 
 def test_gpu_samples_attributed_to_timed_windows(mb):

@@ -213,14 +213,64 @@ def _half_path(result, lora, base_delta, out_dtype) -> bool:
     )
 
 
+_BN_ELEMT = getattr(torch, "batch_norm_elemt", None)
+_BN_REDUCE = getattr(torch, "batch_norm_backward_reduce", None)
+_BN_CONSTS: dict = {}
+
+
+def _rows_kernels(*ts: Optional[torch.Tensor]) -> bool:
+    """True where the per-row passes below may run through batch norm's CUDA kernels: CUDA tensors, contiguous,
+    with the per-row (feature) dim last, outside compilation. For a 2-D ``[N, C]`` contiguous tensor PyTorch's
+    ``batch_norm_elemt`` / ``batch_norm_backward_reduce`` take their channels-last kernels (vectorized, fp32 math),
+    where a broadcast ``[C]`` operand sends ``mul`` / ``addcmul`` to the non-vectorized elementwise kernel (session
+    30's probe on the H200, [4096, 4096-12288] bf16: 0.65x the time of ``addcmul``, and 0.92x for the column sum of
+    a product, whose products become exact fp32 ones)."""
+    if _BN_ELEMT is None or _BN_REDUCE is None or torch.compiler.is_compiling():
+        return False
+    for t in ts:
+        if t is not None and not (t.is_cuda and t.dim() >= 1 and t.numel() > 0 and t.is_contiguous()):
+            return False
+    return True
+
+
+def _bn_consts(t: torch.Tensor):
+    """fp32 zeros and ones ``[C]`` on ``t``'s device (``C = t.shape[-1]``): batch norm's mean and inverse std, so that
+    its "normalisation" is the identity (exactly: ``(x - 0) * 1``)."""
+    key = (t.shape[-1], t.device)
+    c = _BN_CONSTS.get(key)
+    if c is None:
+        c = _BN_CONSTS[key] = (torch.zeros(t.shape[-1], device=t.device), torch.ones(t.shape[-1], device=t.device))
+    return c
+
+
+def _scale_rows(t: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``t * w (+ b)`` over the feature (last) dim of a contiguous CUDA tensor (:func:`_rows_kernels`), in ``t``'s
+    dtype: computed in fp32 from the fp32 ``[C]`` vectors ``w`` / ``b``, rounded once."""
+    zeros, ones = _bn_consts(t)
+    c = t.shape[-1]
+    return _BN_ELEMT(t.view(-1, c), w, b, zeros, ones, 0.0).view(t.shape)
+
+
+def _rowsum_kernels(dy: torch.Tensor, x: torch.Tensor):
+    """``(sum_tokens dy, sum_tokens dy * x)`` over the feature (last) dim, fp32 products and accumulation, one pass
+    (:func:`_rows_kernels` tensors of one dtype)."""
+    zeros, ones = _bn_consts(dy)
+    c = dy.shape[-1]
+    sum_dy, sum_dy_x, _, _ = _BN_REDUCE(dy.view(-1, c), x.view(-1, c), zeros, ones, None, True, False, False)
+    return sum_dy, sum_dy_x
+
+
 def _compose_fwd_half(result, lora, magnitude, norm, scale, eps, bias, base_delta, save_inner, vs):
     dt = result.dtype
     coefs = _row_coefs(magnitude, norm, eps, scale, torch.float32)
     if base_delta is None and bias is None:
-        # the common case, two passes: inner = result + s*lora, y = inner + (g - 1) * inner (reads 3 and writes 2
-        # activation-sized tensors instead of 6 and 3; on a bf16 test tensor also fewer elements beyond one rounding)
+        # the common case, two passes: inner = result + s*lora, y = g * inner (reads 3 and writes 2 activation-sized
+        # tensors instead of 6 and 3); y = inner + (g - 1) * inner where the row kernels do not apply
         inner = torch.add(result, lora, alpha=scale)
-        y = torch.addcmul(inner, inner, _rows(coefs.get("gm1", dt), vs))
+        if vs is None and _rows_kernels(inner):
+            y = _scale_rows(inner, coefs.get("g"))
+        else:
+            y = torch.addcmul(inner, inner, _rows(coefs.get("gm1", dt), vs))
         return y, (inner if save_inner else None)
     p = result if base_delta is None else base_delta
     y = torch.addcmul(result, p, _rows(coefs.get("gm1", dt), vs))  # result + (g - 1) * p
@@ -261,7 +311,15 @@ def compose_bwd_eager(
     vs = _view_shape(dy, feature_dim)
     coefs = _row_coefs(magnitude, norm, eps, scale, acc)
     half = dy.dtype in _HALF and result_dtype == lora_dtype == dy.dtype and base_delta_dtype in (None, dy.dtype)
-    if half:  # same formulas in the activation dtype, (g - 1) explicit
+    fast = half and vs is None and _rows_kernels(dy, inner if need_dm else None)
+    if fast:  # the row kernels: each product in fp32 from the fp32 per-row vector, rounded once
+        d_lora = _scale_rows(dy, coefs.get("gs")) if need_dlora else None
+        if delta_form:
+            d_result, d_base_delta = dy, _scale_rows(dy, coefs.get("gm1"))
+        else:
+            d_result, d_base_delta = _scale_rows(dy, coefs.get("g")), None
+        dy_acc = None
+    elif half:  # same formulas in the activation dtype, (g - 1) explicit
         dt = dy.dtype
         d_lora = dy * _rows(coefs.get("gs", dt), vs) if need_dlora else None
         gm1 = _rows(coefs.get("gm1", dt), vs)
@@ -279,14 +337,19 @@ def compose_bwd_eager(
         else:
             d_result = (_rows(coefs.get("g"), vs) * dy_acc).to(result_dtype)
             d_base_delta = None
-    dm = None
+    dm = sum_dy = None
     if need_dm:
-        dm = _rowsum_product(dy, inner, feature_dim, acc)
+        if fast and inner.dtype == dy.dtype:
+            sum_dy, dm = _rowsum_kernels(dy, inner)
+        else:
+            dm = _rowsum_product(dy, inner, feature_dim, acc)
         dm = dm / magnitude.reshape(-1).to(acc) if dm_from_y else dm * coefs.get("inv")
         dm = dm.to(magnitude.dtype).view(magnitude.shape)
     d_bias = None
     if need_dbias:
-        d_bias = (1.0 - coefs.get("g")) * _sum_tokens(dy.to(acc) if dy_acc is None else dy_acc, feature_dim)
+        if sum_dy is None:
+            sum_dy = _sum_tokens(dy.to(acc) if dy_acc is None else dy_acc, feature_dim)
+        d_bias = (1.0 - coefs.get("g")) * sum_dy
     return d_result, d_lora, d_base_delta, dm, d_bias
 
 
@@ -360,12 +423,12 @@ def saves_discarded() -> bool:
 _PLACEHOLDERS: dict = {}
 
 
-def _inner_placeholder(result: torch.Tensor, lora: torch.Tensor) -> torch.Tensor:
+def _inner_placeholder(result: torch.Tensor, lora_dtype: torch.dtype) -> torch.Tensor:
     """Stands in for ``inner`` where the saved tensor is discarded (:func:`saves_discarded`): same shape, dtype and
     device (what checkpointing's determinism check compares), no storage of that size, never written -- one
     activation-sized write less per layer in the checkpointed forward. A zero-stride view, which the backward
     refuses to read (:func:`_saved_inner`)."""
-    dtype = torch.promote_types(result.dtype, lora.dtype)
+    dtype = torch.promote_types(result.dtype, lora_dtype)
     key = (dtype, result.device)
     base = _PLACEHOLDERS.get(key)
     if base is None:
@@ -382,20 +445,27 @@ def _saved_inner(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _forward_into_ctx(ctx, impl, result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, feature_dim):
+def _forward_into_ctx(ctx, impl, result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, feature_dim,
+                      lora_dtype=None, fwd=None):
     """The composition's forward for an autograd node, and what its backward needs on ``ctx``: ``(y, inner)``.
-    ``inner`` is a placeholder (not computed) while saved tensors are discarded (:func:`saves_discarded`)."""
+    ``inner`` is a placeholder (not computed) while saved tensors are discarded (:func:`saves_discarded`). ``fwd``
+    (with ``lora=None`` and ``lora_dtype``): ``fwd(save_inner) -> (y, inner)`` computes the composition instead of
+    ``impl.compose_fwd``."""
     need_dm = magnitude.requires_grad
     need_dbias = bias is not None and bias.requires_grad and base_delta is None
     discard = need_dm and not torch.compiler.is_compiling() and saves_discarded()
-    y, inner = impl.compose_fwd(
-        result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, need_dm and not discard, feature_dim
-    )
+    save = need_dm and not discard
+    if fwd is None:
+        lora_dtype = lora.dtype
+        y, inner = impl.compose_fwd(result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, save,
+                                    feature_dim)
+    else:
+        y, inner = fwd(save)
     if discard:
-        inner = _inner_placeholder(result, lora)
+        inner = _inner_placeholder(result, lora_dtype)
     ctx.magnitude = magnitude
     ctx.delta_form = base_delta is not None
-    ctx.dtypes = (result.dtype, lora.dtype, None if base_delta is None else base_delta.dtype)
+    ctx.dtypes = (result.dtype, lora_dtype, None if base_delta is None else base_delta.dtype)
     ctx.need_dm, ctx.need_dbias = need_dm, need_dbias
     ctx.bias_dtype = None if bias is None else bias.dtype
     return y, inner
@@ -477,6 +547,17 @@ class _DoraComposeLoraB(torch.autograd.Function):
     @staticmethod
     def forward(ctx, result, h, lora_b, magnitude, bias, base_delta, cfg):
         norm, scale, eps, out_dtype, impl = cfg
+        b_half = _addmm_weight(impl, result, h, lora_b, magnitude, bias, base_delta, out_dtype)
+        if b_half is not None:  # inner = result + s * h @ B^T as one GEMM (the eager path on CUDA, half activations)
+
+            def fwd(save_inner):
+                return _compose_fwd_addmm(result, h, b_half, magnitude, norm, scale, eps, save_inner)
+
+            y, inner = _forward_into_ctx(ctx, impl, result, None, magnitude, norm, scale, eps, bias, base_delta,
+                                         result.dtype, -1, result.dtype, fwd)
+            ctx.save_for_backward(h, lora_b, inner)
+            ctx.cfg = cfg
+            return y
         lora = torch.nn.functional.linear(h, lora_b)  # under autocast: in the autocast dtype, like lora_B(h)
         if out_dtype is None:  # what dora_compose(result, lora, ...) defaults to
             out_dtype = torch.promote_types(result.dtype, lora.dtype)
@@ -517,6 +598,34 @@ class _DoraComposeLoraB(torch.autograd.Function):
                 # bf16 product x gs in B's dtype: fp32 B (AMP) gets an fp32 result, bf16 B one rounding of the scale
                 d_b = torch.mul(torch.mm(dyl.reshape(-1, dy.shape[-1]).t(), hl.reshape(-1, h.shape[-1])), gs_col)
         return d_result, d_h, d_b, dm, d_bias, d_bd, None
+
+
+def _addmm_weight(impl, result, h, lora_b, magnitude, bias, base_delta, out_dtype) -> Optional[torch.Tensor]:
+    """``lora_B``'s weight in the activations' half dtype where the eager composition of ``_DoraComposeLoraB`` runs
+    as ``inner = addmm(result, h, B^T, alpha=s)`` and ``y = g * inner`` through the row kernels: the eager path
+    (``impl``), CUDA, ``result`` and ``h`` in one half dtype (the output's), plain form without bias, and either no
+    autocast or autocast to that dtype (which casts ``B`` so, as ``F.linear(h, B)`` would). None otherwise."""
+    dt = result.dtype
+    if not (impl is EAGER and base_delta is None and bias is None and dt in _HALF and h.dtype == dt
+            and out_dtype in (None, dt) and magnitude.dtype != torch.float64 and _rows_kernels(result, h)):
+        return None
+    if lora_b.dtype == dt:
+        return lora_b
+    dev = result.device.type
+    if torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) == dt:
+        return lora_b.to(dt)
+    return None
+
+
+def _compose_fwd_addmm(result, h, b_half, magnitude, norm, scale, eps, save_inner):
+    """``(y, inner)``: ``inner = result + s * (h @ B^T)`` as one GEMM (fp32 accumulation, ``result`` added in the
+    epilogue, one rounding), ``y = g * inner`` (one rounding, :func:`_scale_rows`). Reads ``result`` once and writes
+    no separate ``lora``: one activation-sized write and a read+write pass less than ``F.linear`` + ``add``."""
+    coefs = _row_coefs(magnitude, norm, eps, scale, torch.float32)
+    d = result.shape[-1]
+    inner = torch.addmm(result.reshape(-1, d), h.reshape(-1, h.shape[-1]), b_half.t(), alpha=scale)
+    inner = inner.view(result.shape)
+    return _scale_rows(inner, coefs.get("g")), (inner if save_inner else None)
 
 
 def lora_b_row_scales(magnitude, norm, eps, scale, acc, lora_b, lora_dtype, need_dh, need_db):
