@@ -10,8 +10,11 @@
 #                                      (session 29's core 22f0a2d, carried as .carry/prevpkg/fastdora) and against
 #                                      fuse_lora_b=False (eager_nofuse): the eager / composition GPU tests (TESTS_S,
 #                                      default 150), then model_bench --plan bf16 --sequence EAB_SEQ in exec workers
-#                                      (EAB_S, default 300)
-#   bash benchmarks/run_s30.sh harness issue 5's whole harness: model_bench.py --plan h200 (BENCH_S, default 520)
+#                                      (EAB_S, default 200)
+#   bash benchmarks/run_s30.sh harness issue 5's whole harness: model_bench.py --plan h200 (BENCH_S, default 520);
+#                                      with FASTDORA_CACHE_DIR=$PWD/.carry/fdcache (eagerab's fdcache.tgz unpacked,
+#                                      carried) the node loads from the cache instead of a ~50 s build; then
+#                                      tests/test_eager_rows.py -m gpu until END_S (default 588)
 set -uo pipefail
 source benchmarks/_env.sh
 export FASTDORA_CACHE_DIR=${FASTDORA_CACHE_DIR:-/tmp/fdcache}
@@ -31,14 +34,19 @@ case "${1:-first}" in
     grep -v "Warn\|warn" $OUT/train_equivalence_log.txt | tail -20
     ;;
   eagerab)
+    # the C++ node built beside the tests (CPU), its cache returned for the harness call (carry it as .carry/fdcache)
+    (node > $OUT/node.log 2>&1; tar czf $OUT/fdcache.tgz -C $FASTDORA_CACHE_DIR .) &
     gpu_tests gpu_tests_eager.log ${TESTS_S:-150} tests/test_eager_rows.py tests/test_kernels_gpu.py \
       tests/test_gpu_layers.py -k "eager or compose or strided or row or fused or dispatch"
-    TAG=eager_ab FILES="json md" bench bf16 ${EAB_S:-300} --spawn exec --old-pkg $OLD_PKG \
-      --sequence ${EAB_SEQ:-lora,eager,eager_old,eager_nofuse,eager_nofuse,eager_old,eager,lora,eager,eager_old}
+    TAG=eager_ab FILES="json md" bench bf16 ${EAB_S:-200} --spawn exec --old-pkg $OLD_PKG \
+      --sequence ${EAB_SEQ:-lora,eager,eager_old,eager_nofuse,eager,lora,eager_old,eager}
+    wait
     ;;
   harness)
     node
     bench h200 ${BENCH_S:-520} --spawn ${SPAWN:-fork}
+    left=$(( ${END_S:-588} - ($(date +%s) - t0) ))  # then the eager GPU tests in the time left
+    [ $left -gt 20 ] && gpu_tests gpu_tests_eager_rows.log $left tests/test_eager_rows.py
     ;;
 esac
 echo "total $(( $(date +%s) - t0 )) s" | tee -a $OUT/times.log

@@ -660,6 +660,12 @@ def dora_compose_lora_b(
     the same autograd node (see :class:`_DoraComposeLoraB`). Same outputs and gradients (``h`` and ``lora_b`` get
     theirs from that node); without autograd (inference, no grad) it is exactly ``dora_compose`` on the product."""
     if (not torch.is_grad_enabled()) or torch.compiler.is_compiling():
+        impl = dispatch.compose_impl(result, h, magnitude, bias, base_delta, -1, kernels)
+        b_half = _addmm_weight(impl, result, h, lora_b, magnitude, bias, base_delta, out_dtype)
+        if b_half is not None:  # the eager path's one-GEMM inner (as the training node's forward), nothing saved
+            if kind is not None:
+                record(path_key(kind, impl.name))
+            return _compose_fwd_addmm(result, h, b_half, magnitude, norm, scale, eps, False)[0]
         lora = torch.nn.functional.linear(h, lora_b)
         return dora_compose(result, lora, magnitude, norm, scale, eps, bias=bias, base_delta=base_delta,
                             out_dtype=out_dtype, kernels=kernels, kind=kind)
