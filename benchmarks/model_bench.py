@@ -56,27 +56,32 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 # fastdora_nograph: graph_norm=False (the per-step norm recomputation as eager launches);
 # fastdora_sep: layer_node=False (each Linear layer as separate autograd nodes, the composition's in C++);
 # fastdora_inner: dm_from_output=False (the whole-layer node saves inner, not its output, for the magnitude);
-# eager_old: --old-pkg's package with kernels="eager"; eager_nofuse: kernels="eager", fuse_lora_b=False (lora_B as a
-# module: no addmm-formed inner, a d_lora pass)
+# eager_old: --old-pkg's package with kernels="eager"; eager_fuse: kernels="eager", fuse_lora_b=True (lora_B in the
+# composition's node, inner formed by one addmm; session 30's calls 2 and 3 ran this as the default "eager", with
+# fuse_lora_b=False as "eager_nofuse")
 VARIANTS = ["lora", "peft_dora", "fastdora", "eager", "fastdora_old", "fastdora_nofuse", "fastdora_fuse",
-            "fastdora_chain", "fastdora_nograph", "fastdora_sep", "fastdora_inner", "eager_old", "eager_nofuse"]
+            "fastdora_chain", "fastdora_nograph", "fastdora_sep", "fastdora_inner", "eager_old", "eager_fuse",
+            "eager_nofuse"]
 VARIANT_LABEL = {"lora": "PEFT LoRA", "peft_dora": "PEFT DoRA", "fastdora": "fastdora DoRA",
                  "eager": "fastdora eager", "fastdora_old": "fastdora (--old-pkg)",
                  "fastdora_nofuse": "fastdora, fuse_lora_b=False",
                  "fastdora_fuse": "fastdora, fuse_lora_b=True", "fastdora_chain": "fastdora, lean_forward=False",
                  "fastdora_nograph": "fastdora, graph_norm=False", "fastdora_sep": "fastdora, layer_node=False",
                  "fastdora_inner": "fastdora, dm_from_output=False", "eager_old": "fastdora eager (--old-pkg)",
+                 "eager_fuse": "fastdora eager, fuse_lora_b=True",
                  "eager_nofuse": "fastdora eager, fuse_lora_b=False"}
 VARIANT_COLOR = {"lora": "#888888", "peft_dora": "#d62728", "fastdora": "#2ca02c", "eager": "#1f77b4",
                  "fastdora_old": "#9467bd", "fastdora_nofuse": "#17becf", "fastdora_fuse": "#bcbd22",
                  "fastdora_chain": "#8c564b", "fastdora_nograph": "#e377c2", "fastdora_sep": "#ff7f0e",
-                 "fastdora_inner": "#7f7f00", "eager_old": "#aec7e8", "eager_nofuse": "#98df8a"}
+                 "fastdora_inner": "#7f7f00", "eager_old": "#aec7e8", "eager_fuse": "#98df8a",
+                 "eager_nofuse": "#c5b0d5"}
 # the variants that run fastdora, with their fastdora.enable() options
 FASTDORA_OPTIONS = {"fastdora": {}, "eager": {"kernels": "eager"}, "fastdora_old": {},
                     "fastdora_nofuse": {"fuse_lora_b": False}, "fastdora_fuse": {"fuse_lora_b": True},
                     "fastdora_chain": {"lean_forward": False}, "fastdora_nograph": {"graph_norm": False},
                     "fastdora_sep": {"layer_node": False}, "fastdora_inner": {"dm_from_output": False},
-                    "eager_old": {"kernels": "eager"}, "eager_nofuse": {"kernels": "eager", "fuse_lora_b": False}}
+                    "eager_old": {"kernels": "eager"}, "eager_fuse": {"kernels": "eager", "fuse_lora_b": True},
+                    "eager_nofuse": {"kernels": "eager", "fuse_lora_b": False}}
 OLD_PKG_VARIANTS = ("fastdora_old", "eager_old")  # run --old-pkg's package
 
 
@@ -286,15 +291,20 @@ def run_worker(a):
     import torch
     import torch.nn.functional as F
 
+    t_import = time.perf_counter()
     if a.wait_go:
+        # an exec worker imports transformers / PEFT before READY (CPU only, while the previous config runs): ~5-10 s
+        # less per exec config (session 30: the target block's exec workers cost ~90 s over forked ones)
+        preimport()
+        t_import = time.perf_counter() - t_import
         print("READY", flush=True)
         line = sys.stdin.readline()
         if line.strip() != "go":
             sys.exit(3)
     t_start = time.perf_counter()
-    t_import = time.perf_counter()
-    preimport()  # a no-op in a forked worker (the parent imported these before forking)
-    t_import = time.perf_counter() - t_import
+    if not a.wait_go:
+        preimport()  # a no-op in a forked worker (the parent imported these before forking)
+        t_import = time.perf_counter() - t_import
     dev = torch.device(a.device)
     rec = dict(shape=a.shape, layers=a.layers, rank=a.rank, setup=a.setup, variant=a.variant, seq=a.seq,
                ga=a.ga, loss_tokens=a.loss_tokens, device=str(dev), pid=os.getpid())
@@ -306,7 +316,7 @@ def run_worker(a):
             pass
     if dev.type == "cuda":
         rec["gpu"] = torch.cuda.get_device_name(dev)
-    rec["import_s"] = t_import  # part of build_s
+    rec["import_s"] = t_import  # exec workers: before READY (outside worker_s); forked: ~0 (the parent imported)
     t_model = time.perf_counter()
     model = build_model(a, dev)
     rec["model_s"] = time.perf_counter() - t_model

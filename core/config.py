@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Optional
+from typing import Any
 
 __all__ = ["Options", "make_options", "killed", "env_default", "native_mode", "native_launch",
            "native_build_env"]
@@ -96,14 +96,16 @@ class Options:
         installed PEFT does.
     cache_norm: reuse the weight norm while ``W, A, B, s`` are unchanged (exact; turn off only to debug).
     norm_budget_mb: working-set budget of the eager factored norm's column chunks (MB).
-    fuse_lora_b: Linear layers whose ``lora_B`` is a plain ``nn.Linear`` (no bias, no hooks) compute its
+    fuse_lora_b: opt-in. Linear layers whose ``lora_B`` is a plain ``nn.Linear`` (no bias, no hooks) compute its
         product inside the composition's autograd node, which never materialises ``d_lora`` (one activation-sized
-        pass less per layer backward). ``None`` (default): on where the composition runs the exact PyTorch path on a
-        CUDA device (``kernels="eager"``, or no Triton), where the node also forms ``inner = result + s * h @ B^T``
-        as one GEMM for half-precision activations (session 30); off on the Triton path (session 11 measured no
-        model-level gain there with the Python node, session 24 none with the C++ node: pure bf16 1.104 vs 1.105 s
-        per iteration) and on the CPU. ``True`` / ``False``: always / never; off, ``lora_B`` is called as a module,
-        as PEFT does.
+        pass less per layer backward). Session 11 measured no model-level gain on the H200 with the Python node
+        (its backward ran lora_B's two matmuls from Python on the host-bound step); since session 23 the C++ node
+        runs it (``compose_b``: the matmuls from C++, bitwise the Python node's results, also on the H200); session
+        24 measured no gain there either (pure bf16 1.104 vs 1.105 s per iteration: below the process-to-process
+        spread). Off by default; ``lora_B`` is then called as a module, as PEFT does. On the exact PyTorch path on a
+        CUDA device with half activations the fused node forms ``inner = result + s * h @ B^T`` as one ``addmm``
+        (session 30); there too no model-level gain was measured (pure bf16, r=384: 1.214 / 1.219 s vs 1.219 s off,
+        one run) and its Python backward costs host time (CPU, AMP: +7% per layer call), so it stays opt-in.
     lean_forward: PEFT LoRA ``Linear`` layers with a fastdora adapter run their common forward call (one active
         adapter, no extra arguments, no hooks, not merged / disabled, no training-mode dropout) through one flattened
         function instead of PEFT's ``forward`` -> variant -> magnitude module chain: the same operations in the same
@@ -134,7 +136,7 @@ class Options:
     legacy_embedding_compose: bool = False
     cache_norm: bool = True
     norm_budget_mb: float = 16.0
-    fuse_lora_b: Optional[bool] = None
+    fuse_lora_b: bool = False
     lean_forward: bool = True
     layer_node: bool = True
     dm_from_output: bool = True
@@ -162,10 +164,8 @@ def make_options(**kwargs: Any) -> Options:
         raise ValueError(f"fastdora: option kernels={kernels!r} is invalid; use one of {list(_KERNELS)}")
     for name in ("legacy_embedding_compose", "cache_norm", "fuse_lora_b", "lean_forward", "layer_node",
                  "dm_from_output", "graph_norm"):
-        if name in values and not isinstance(values[name], bool) and not (name == "fuse_lora_b"
-                                                                           and values[name] is None):
-            raise ValueError(f"fastdora: option {name}={values[name]!r} must be a bool"
-                             + (" or None (automatic)" if name == "fuse_lora_b" else ""))
+        if name in values and not isinstance(values[name], bool):
+            raise ValueError(f"fastdora: option {name}={values[name]!r} must be a bool")
     budget = values["norm_budget_mb"]
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
         raise ValueError(f"fastdora: option norm_budget_mb={budget!r} must be a positive number")

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["compose_impl", "fuse_lora_b", "layer_node", "norm_impl", "triton_available"]
+__all__ = ["compose_impl", "layer_node", "norm_impl", "triton_available"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,15 +81,6 @@ def compose_impl(result, lora, magnitude, bias, base_delta, feature_dim, kernels
     if bias is not None and bias.requires_grad:
         return _EAGER
     return k.TRITON
-
-
-def fuse_lora_b(option: Optional[bool], x: torch.Tensor, kernels: str) -> bool:
-    """Option ``fuse_lora_b`` resolved for a Linear layer call on ``x``: ``None`` (automatic) means on where the
-    composition takes the exact PyTorch path on a CUDA tensor for a reason other than its size (``kernels="eager"``,
-    or no Triton), where the fused node saves the ``d_lora`` pass and forms ``result + s * h @ B^T`` as one GEMM."""
-    if option is not None:
-        return option
-    return x.is_cuda and (kernels == "eager" or _compose_kernels(kernels) is None)
 
 
 def layer_node(x, weight, magnitude, kernels: str):

@@ -354,9 +354,7 @@ class FastDoraLinearLayer(_FastDoraMixin, PEFT_CLASSES["DoraLinearLayer"]):
         else:
             norm = self._fd_linear_norm(base_layer, lora_A, lora_B, scaling, adapter_name)
             # fused mode with a plain lora_B: its product joins the composition's autograd node (no d_lora pass)
-            opts = self._fd_options()
-            fuse_b = (fastdora_result is not None and _plain_linear(lora_B)
-                      and _dispatch.fuse_lora_b(opts.fuse_lora_b, x, opts.kernels))
+            fuse_b = fastdora_result is not None and self._fd_options().fuse_lora_b and _plain_linear(lora_B)
             h = lora_A(x)
             lora = None if fuse_b else lora_B(h)
         self._fd_peft_cache(adapter_name, norm)
@@ -730,8 +728,7 @@ def lean_linear_forward(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
     bare_a = _bare_linear(lora_A) and lora_A._parameters["bias"] is None
     b_weight = lora_B._parameters["weight"]
     plain_b = _bare_linear(lora_B) and lora_B._parameters["bias"] is None
-    # lora_B's product inside the composition's node (FastDoraLinearLayer's rule)
-    fuse_b = plain_b and _dispatch.fuse_lora_b(opts.fuse_lora_b, x, opts.kernels)
+    fuse_b = plain_b and opts.fuse_lora_b  # lora_B's product inside the composition's node (FastDoraLinearLayer's rule)
     x_dtype = x.dtype  # the dtype PEFT's LoRA branch computes in (eps below)
     cast_x = False
     if x_dtype != a_weight.dtype and getattr(module, "cast_input_dtype_enabled", True):

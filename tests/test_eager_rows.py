@@ -250,6 +250,10 @@ def test_fused_addmm_wiring_cpu(emulated_ops, monkeypatch, shape, dt):
     assert len(calls) == n + 2
     for a, b in zip(out, out_ck):
         assert torch.equal(a, b)
+    # inference (no grad): the same one-GEMM composition, the same y
+    with torch.no_grad():
+        y = oc.dora_compose_lora_b(t["result"], t["h"], t["b"], t["m"], t["norm"], SCALE, 1e-6, kernels="eager")
+    assert len(calls) == n + 3 and torch.equal(y, out[0])
 
 
 def test_fused_addmm_not_taken_cpu_fp32_or_bias(emulated_ops, monkeypatch):
@@ -273,21 +277,6 @@ def test_fused_addmm_not_taken_cpu_fp32_or_bias(emulated_ops, monkeypatch):
     assert f(eager, t["result"], t["h"], t["b"], t["m"], None, None, None) is None  # CPU tensors: never
 
 
-def test_fuse_lora_b_option_resolution():
-    import fastdora
-    from fastdora import dispatch
-
-    x = torch.zeros(2, 3)
-    assert dispatch.fuse_lora_b(True, x, "auto") and not dispatch.fuse_lora_b(False, x, "eager")
-    assert not dispatch.fuse_lora_b(None, x, "eager")  # CPU: the module call, as PEFT
-    if torch.cuda.is_available():
-        assert dispatch.fuse_lora_b(None, x.cuda(), "eager")
-        assert dispatch.fuse_lora_b(None, x.cuda(), "auto") == (not dispatch.triton_available())
-    with pytest.raises(ValueError, match="fuse_lora_b"):
-        fastdora.config.make_options(fuse_lora_b="yes")
-    assert fastdora.config.make_options().fuse_lora_b is None
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(7, 17), (3, 11, 130), (4096, 4096)], ids=str)
 @pytest.mark.parametrize("setup", ["bf16", "fp16", "amp"])
@@ -307,3 +296,7 @@ def test_fused_addmm_gpu(shape, setup, monkeypatch):
     out_ck = _fused_grads(t, checkpointed=True, autocast=torch.bfloat16 if setup == "amp" else None)
     for a, b in zip(out, out_ck):
         assert torch.equal(a, b)
+    n = len(calls)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=setup == "amp"):
+        y = oc.dora_compose_lora_b(t["result"], t["h"], t["b"], t["m"], t["norm"], SCALE, 1e-6, kernels="eager")
+    assert len(calls) == n + 1 and torch.equal(y, out[0])

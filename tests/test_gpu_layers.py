@@ -32,7 +32,7 @@ def _llama(dtype, attn=None):
     return LlamaForCausalLM(cfg).to("cuda", dtype)
 
 
-def _pair(adapter_dtype, r=64, attn=None, kernels="triton"):
+def _pair(adapter_dtype, r=64, attn=None, kernels="triton", **options):
     from peft import LoraConfig, get_peft_model
 
     cfg = LoraConfig(r=r, lora_alpha=2 * r, use_dora=True, init_lora_weights=False,
@@ -44,7 +44,7 @@ def _pair(adapter_dtype, r=64, attn=None, kernels="triton"):
             if "magnitude" in n:
                 p.data.mul_(1 + 0.05 * torch.randn_like(p))
     fast = copy.deepcopy(ref)
-    report = fastdora.enable(fast, kernels=kernels)
+    report = fastdora.enable(fast, kernels=kernels, **options)
     assert report.converted.get("linear") == 14, str(report)
     return ref, fast
 
@@ -53,10 +53,10 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
 
 
-def _parity_step(setup, kernels="triton", checkpointed=False):
+def _parity_step(setup, kernels="triton", checkpointed=False, **options):
     """One forward + backward of stock PEFT DoRA and fastdora (``kernels``) on the same batch: logits and gradients
     track PEFT's (bf16 noise level); returns nothing, asserts. ``active_path_counter`` holds the run's paths."""
-    ref, fast = _pair(torch.float32 if setup == "amp" else torch.bfloat16, kernels=kernels)
+    ref, fast = _pair(torch.float32 if setup == "amp" else torch.bfloat16, kernels=kernels, **options)
     ids = torch.randint(0, 1000, (2, 256), device="cuda")
     active_path_counter.clear()
     outs, grads = [], []
@@ -83,11 +83,12 @@ def test_model_parity_triton_path(setup):
     assert active_path_counter["linear:triton"] == 14, active_path_counter
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["", "fuse_lora_b"])
 @pytest.mark.parametrize("setup", ["amp", "pure_bf16"])
-def test_model_parity_eager_path_checkpointed(setup, monkeypatch):
-    """The exact PyTorch path on the GPU (``kernels="eager"``) under non-reentrant checkpointing: lora_B fused into
-    the composition's node (``fuse_lora_b``'s automatic default there), ``inner`` formed by one addmm, the per-row
-    passes through batch norm's kernels; logits and gradients track stock PEFT."""
+def test_model_parity_eager_path_checkpointed(setup, fuse, monkeypatch):
+    """The exact PyTorch path on the GPU (``kernels="eager"``) under non-reentrant checkpointing: the per-row passes
+    through batch norm's kernels; with ``fuse_lora_b`` lora_B's product inside the composition's node and ``inner``
+    formed by one addmm; logits and gradients track stock PEFT."""
     from fastdora.ops import compose as oc
 
     calls = {"addmm": 0, "rows": 0}
@@ -96,9 +97,9 @@ def test_model_parity_eager_path_checkpointed(setup, monkeypatch):
                         lambda *a: calls.__setitem__("addmm", calls["addmm"] + 1) or real_addmm(*a))
     monkeypatch.setattr(oc, "_rowsum_kernels",
                         lambda *a: calls.__setitem__("rows", calls["rows"] + 1) or real_reduce(*a))
-    _parity_step(setup, kernels="eager", checkpointed=True)
+    _parity_step(setup, kernels="eager", checkpointed=True, fuse_lora_b=fuse)
     assert active_path_counter["linear:eager"] == 28, active_path_counter  # forward + recomputation
-    assert calls == {"addmm": 28, "rows": 14}, calls
+    assert calls == {"addmm": 28 if fuse else 0, "rows": 14}, calls
 
 
 def test_training_steps_norm_cache_and_checkpointing():
