@@ -243,12 +243,12 @@ def _bn_consts(t: torch.Tensor):
     return c
 
 
-def _scale_rows(t: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``t * w (+ b)`` over the feature (last) dim of a contiguous CUDA tensor (:func:`_rows_kernels`), in ``t``'s
-    dtype: computed in fp32 from the fp32 ``[C]`` vectors ``w`` / ``b``, rounded once."""
+def _scale_rows(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``t * w`` over the feature (last) dim of a contiguous CUDA tensor (:func:`_rows_kernels`), in ``t``'s dtype:
+    computed in fp32 from the fp32 ``[C]`` vector ``w``, rounded once."""
     zeros, ones = _bn_consts(t)
     c = t.shape[-1]
-    return _BN_ELEMT(t.view(-1, c), w, b, zeros, ones, 0.0).view(t.shape)
+    return _BN_ELEMT(t.view(-1, c), w, None, zeros, ones, 0.0).view(t.shape)
 
 
 def _rowsum_kernels(dy: torch.Tensor, x: torch.Tensor):
@@ -658,7 +658,9 @@ def dora_compose_lora_b(
 ) -> torch.Tensor:
     """``dora_compose(result, F.linear(h, lora_b), ...)`` for a last feature dim, with ``lora_B``'s product inside
     the same autograd node (see :class:`_DoraComposeLoraB`). Same outputs and gradients (``h`` and ``lora_b`` get
-    theirs from that node); without autograd (inference, no grad) it is exactly ``dora_compose`` on the product."""
+    theirs from that node); without autograd (inference, no grad) it is ``dora_compose`` on the product, except on
+    the eager path with half activations on CUDA, where it is the training node's forward (``inner`` by one
+    ``addmm``: the product is not rounded on its own)."""
     if (not torch.is_grad_enabled()) or torch.compiler.is_compiling():
         impl = dispatch.compose_impl(result, h, magnitude, bias, base_delta, -1, kernels)
         b_half = _addmm_weight(impl, result, h, lora_b, magnitude, bias, base_delta, out_dtype)
