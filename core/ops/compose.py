@@ -339,7 +339,7 @@ def compose_bwd_eager(
             d_base_delta = None
     dm = sum_dy = None
     if need_dm:
-        if fast and inner.dtype == dy.dtype:
+        if fast:  # inner has dy's dtype there (result, lora and dy in one half dtype)
             sum_dy, dm = _rowsum_kernels(dy, inner)
         else:
             dm = _rowsum_product(dy, inner, feature_dim, acc)
@@ -555,16 +555,14 @@ class _DoraComposeLoraB(torch.autograd.Function):
 
             y, inner = _forward_into_ctx(ctx, impl, result, None, magnitude, norm, scale, eps, bias, base_delta,
                                          result.dtype, -1, result.dtype, fwd)
-            ctx.save_for_backward(h, lora_b, inner)
-            ctx.cfg = cfg
-            return y
-        lora = torch.nn.functional.linear(h, lora_b)  # under autocast: in the autocast dtype, like lora_B(h)
-        if out_dtype is None:  # what dora_compose(result, lora, ...) defaults to
-            out_dtype = torch.promote_types(result.dtype, lora.dtype)
-            if base_delta is not None:
-                out_dtype = torch.promote_types(out_dtype, base_delta.dtype)
-        y, inner = _forward_into_ctx(ctx, impl, result, lora, magnitude, norm, scale, eps, bias, base_delta,
-                                     out_dtype, -1)
+        else:
+            lora = torch.nn.functional.linear(h, lora_b)  # under autocast: in the autocast dtype, like lora_B(h)
+            if out_dtype is None:  # what dora_compose(result, lora, ...) defaults to
+                out_dtype = torch.promote_types(result.dtype, lora.dtype)
+                if base_delta is not None:
+                    out_dtype = torch.promote_types(out_dtype, base_delta.dtype)
+            y, inner = _forward_into_ctx(ctx, impl, result, lora, magnitude, norm, scale, eps, bias, base_delta,
+                                         out_dtype, -1)
         ctx.save_for_backward(h, lora_b, inner)
         ctx.cfg = cfg
         return y
