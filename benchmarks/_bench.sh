@@ -5,6 +5,8 @@
 #   node        builds the C++ composition node (so that no worker builds it inside a timed run)
 #   smi_start   the GPU's clocks / power / throttle reasons every 200 ms into $OUT/smi.csv, until `kill $smi`
 #   gpu_tests LOG TIMEOUT_S [pytest targets]   pytest -m gpu, the log's last 40 lines to $OUT/LOG
+#   train_eq TRAIN_S   issue 5's training equivalence on one GPU: seeds 0 and 1, 1000 steps, the four runs at once
+#                      (TRAIN_S: the workers' time limit); its log, JSON, table and curves to $OUT
 bench() {
   local tag=${TAG:-$1}
   timeout $(( $2 + 65 )) python benchmarks/model_bench.py --out /tmp/mb_$tag --plan $1 --budget-s $2 "${@:3}" \
@@ -29,4 +31,11 @@ gpu_tests() {  # gpu_tests LOG TIMEOUT_S [pytest targets]
   timeout $limit python -m pytest "${@:3}" -m gpu -q -p no:cacheprovider 2>&1 | tail -40 > $OUT/$log
   tail -8 $OUT/$log
   echo "tests $(( $(date +%s) - t0 )) s" | tee -a $OUT/times.log
+}
+train_eq() {  # train_eq TRAIN_S
+  timeout $(( $1 + 70 )) python benchmarks/train_equivalence.py --out /tmp/te --seeds 0 1 --steps 1000 --parallel 4 \
+    --max-train-s $1 --timeout-s $(( $1 + 50 )) > $OUT/train_equivalence_log.txt 2>&1
+  cp /tmp/te/train_equivalence.{json,md,png} $OUT/ 2>/dev/null
+  grep -v "Warn\|warn" $OUT/train_equivalence_log.txt | tail -20
+  echo "train $(( $(date +%s) - t0 )) s" | tee -a $OUT/times.log
 }

@@ -13,7 +13,7 @@ set -uo pipefail
 source benchmarks/_env.sh
 export FASTDORA_CACHE_DIR=${FASTDORA_CACHE_DIR:-/tmp/fdcache}
 t0=$(date +%s)
-source benchmarks/_bench.sh  # bench PLAN BUDGET_S [model_bench arguments]; node; gpu_tests
+source benchmarks/_bench.sh  # bench PLAN BUDGET_S [model_bench arguments]; node; gpu_tests; train_eq
 case "${1:-harness}" in
   harness)
     node
@@ -28,11 +28,7 @@ case "${1:-harness}" in
     ;;
   train)
     node
-    timeout $(( ${TRAIN_S:-400} + 70 )) python benchmarks/train_equivalence.py --out /tmp/te --seeds 0 1 --steps 1000 \
-      --parallel 4 --max-train-s ${TRAIN_S:-400} --timeout-s $(( ${TRAIN_S:-400} + 50 )) \
-      > $OUT/train_equivalence_log.txt 2>&1
-    cp /tmp/te/train_equivalence.{json,md,png} $OUT/ 2>/dev/null
-    grep -v "Warn\|warn" $OUT/train_equivalence_log.txt | tail -20
+    train_eq ${TRAIN_S:-400}
     ;;
 esac
 echo "total $(( $(date +%s) - t0 )) s" | tee -a $OUT/times.log
