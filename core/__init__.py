@@ -7,11 +7,11 @@
 """
 
 from .config import Options
-from .distributed import invalidate as invalidate_norm_cache
+from .cache import invalidate as invalidate_norm_cache
 from .patching import EnableReport, disable, enable, process_wide_enabled
 from .stats import active_path_counter
 
-__version__ = "0.1.0"
+__version__ = "1.0.0"
 
 __all__ = [
     "enable",

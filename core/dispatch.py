@@ -1,8 +1,11 @@
-"""Runtime dispatch: which implementation runs a composition or a norm.
+"""Runtime dispatch: which implementation runs a composition or a norm, and the two entry points that dispatch.
 
-- Triton training / inference path: CUDA tensors, Triton importable, ``kernels != "eager"``, supported layout.
-- Exact PyTorch fallback: CPU, no Triton, ``kernels="eager"``, channel-first (conv) layouts, or tiny problems
-  where launch latency dominates (threshold measured on the H200: ``fastdora.kernels.compose.CROSSOVER_NUMEL``).
+- Triton path (``fastdora.ops.compose.triton_impl()``, ``fastdora.kernels.norm``): CUDA tensors, Triton importable,
+  ``kernels != "eager"``, a layout the kernels cover; in ``kernels="auto"`` mode from
+  ``Settings.compose_crossover_numel`` output elements on (the fused path measured faster than eager at every size
+  from 1K to 64M elements on the H200, so the threshold is the smallest size measured).
+- Exact PyTorch fallback (``fastdora.ops.compose.EAGER``, ``fastdora.ops.norm.factored_norm_eager``): CPU, no
+  Triton, ``kernels="eager"``, channel-first (conv) layouts, a trainable base bias, tiny problems.
 """
 
 from __future__ import annotations
@@ -12,17 +15,78 @@ from typing import Optional
 
 import torch
 
-__all__ = ["compose_impl", "layer_node", "norm_impl", "triton_available"]
+from .config import SETTINGS as _S
+from .ops import compose as _compose
+from .ops.norm import factored_norm_eager
+from .stats import path_key, record
+
+__all__ = ["compose_impl", "norm_impl", "layer_node", "triton_available", "native_node", "dora_compose",
+           "factored_norm"]
+
+_EAGER = _compose.EAGER
 
 
 @functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
     try:
-        from .kernels import compose as _k  # noqa: F401
+        from .kernels import compose as kc
 
-        return _k.AVAILABLE
+        return kc.AVAILABLE
     except Exception:  # pragma: no cover - import errors mean "no triton"
         return False
+
+
+def _triton(kernels: str):
+    """The Triton implementation, or None (an error where ``kernels="triton"`` asked for it and Triton is missing)."""
+    impl = _compose.triton_impl() if triton_available() else None
+    if impl is None and kernels == "triton":
+        raise RuntimeError("fastdora: kernels='triton' was requested but Triton is not importable")
+    return impl
+
+
+def native_node(required: Optional[bool] = None):
+    """Build / load the C++ composition node now (``fastdora.kernels.native.node``, with the ops layer's fallbacks
+    registered first); None where Triton is missing or the node is not used (``native.status()`` says why)."""
+    if _compose.triton_impl() is None:
+        if required:
+            raise RuntimeError("fastdora: the C++ composition node needs Triton, which is not importable")
+        return None
+    from .kernels import native
+
+    return native.node(required)
+
+
+def compose_impl(result, lora, magnitude, bias, base_delta, feature_dim, kernels: str):
+    """Called on every composition: the common case is a handful of attribute checks."""
+    if (
+        kernels == "eager"
+        or not (result.is_cuda and lora.is_cuda and magnitude.is_cuda)
+        or (feature_dim != -1 and feature_dim != result.dim() - 1)
+    ):
+        return _EAGER
+    impl = _triton(kernels)
+    if impl is None:
+        return _EAGER
+    if kernels == "auto" and result.numel() < _S.compose_crossover_numel:
+        return _EAGER
+    if bias is not None and bias.requires_grad:
+        return _EAGER
+    return impl
+
+
+def layer_node(x, weight, magnitude, kernels: str):
+    """The C++ node (``fastdora.kernels.native``) for a whole DoRA Linear layer call (``lean_linear_forward``), where
+    the composition of this call would take the Triton path (``compose_impl``'s rule for the layer's result, which
+    has ``x``'s rows and ``weight``'s output features) and the node is active; None otherwise (the separate nodes run).
+    """
+    if kernels == "eager" or not (x.is_cuda and weight.is_cuda and magnitude.is_cuda):
+        return None
+    impl = _triton(kernels)
+    if impl is None:
+        return None
+    if kernels == "auto" and (x.numel() // max(x.shape[-1], 1)) * weight.shape[0] < _S.compose_crossover_numel:
+        return None
+    return impl.layer_node(x)
 
 
 def _wants_triton(kernels: str, *tensors: Optional[torch.Tensor]) -> bool:
@@ -38,70 +102,9 @@ def _wants_triton(kernels: str, *tensors: Optional[torch.Tensor]) -> bool:
     return True
 
 
-_EAGER = None
-_KERNELS = None  # fastdora.kernels.compose once imported with Triton available, else False
-
-
-def _compose_kernels(kernels: str):
-    """``fastdora.kernels.compose`` where Triton is available, else None (an error where ``kernels="triton"`` asked for
-    it)."""
-    global _KERNELS
-    if _KERNELS is None:
-        if triton_available():
-            from .kernels import compose as k
-
-            _KERNELS = k
-        else:
-            _KERNELS = False
-    if not _KERNELS:
-        if kernels == "triton":
-            raise RuntimeError("fastdora: kernels='triton' was requested but Triton is not importable")
-        return None
-    return _KERNELS
-
-
-def compose_impl(result, lora, magnitude, bias, base_delta, feature_dim, kernels: str):
-    """Called on every composition: the common case is a handful of attribute checks."""
-    global _EAGER
-    if _EAGER is None:
-        from .ops.compose import EAGER as _e
-
-        _EAGER = _e
-    if (
-        kernels == "eager"
-        or not (result.is_cuda and lora.is_cuda and magnitude.is_cuda)
-        or (feature_dim != -1 and feature_dim != result.dim() - 1)
-    ):
-        return _EAGER
-    k = _compose_kernels(kernels)
-    if k is None:
-        return _EAGER
-    if kernels == "auto" and not k.worth_it(result):
-        return _EAGER
-    if bias is not None and bias.requires_grad:
-        return _EAGER
-    return k.TRITON
-
-
-def layer_node(x, weight, magnitude, kernels: str):
-    """The C++ node (``fastdora.kernels.native``) for a whole DoRA Linear layer call (``lean_linear_forward``), where
-    the composition of this call would take the Triton path (``compose_impl``'s rule for the layer's result, which
-    has ``x``'s rows and ``weight``'s output features) and the node is active; None otherwise (the separate nodes run).
-    """
-    if kernels == "eager" or not (x.is_cuda and weight.is_cuda and magnitude.is_cuda):
-        return None
-    k = _compose_kernels(kernels)
-    if k is None:
-        return None
-    if kernels == "auto" and (x.numel() // max(x.shape[-1], 1)) * weight.shape[0] < k.CROSSOVER_NUMEL:
-        return None
-    return k.layer_node(x)
-
-
 def norm_impl(weight, lora_A, lora_B, kernels: str):
-    from .ops.norm import factored_norm_eager
-
-    # under torch.compile the norm is traced as plain PyTorch ops (the Triton launcher is not a registered op)
+    """``fastdora.kernels.norm.factored_norm_triton`` where it covers these tensors, else the eager norm. Under
+    ``torch.compile`` the norm is traced as plain PyTorch ops (the Triton launcher is not a registered op)."""
     if torch.compiler.is_compiling() or not _wants_triton(kernels, weight, lora_A, lora_B):
         return factored_norm_eager
     from .kernels import norm as kn
@@ -109,3 +112,55 @@ def norm_impl(weight, lora_A, lora_B, kernels: str):
     if not kn.supports(weight, lora_A, lora_B):
         return factored_norm_eager
     return kn.factored_norm_triton
+
+
+def factored_norm(
+    weight: torch.Tensor,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    scale: float,
+    base_sq: Optional[torch.Tensor] = None,
+    budget_bytes: int = 16 << 20,
+    kernels: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm, base_sq)``: the detached fp32 row norm of ``weight + scale * lora_B @ lora_A`` and ``||W||^2`` per
+    row, factored (see ``fastdora.ops.norm``), by the implementation :func:`norm_impl` picks."""
+    impl = norm_impl(weight, lora_A, lora_B, kernels)
+    with torch.autocast(weight.device.type, enabled=False):
+        return impl(weight, lora_A, lora_B, scale, base_sq, budget_bytes)
+
+
+def dora_compose(
+    result: torch.Tensor,
+    lora: torch.Tensor,
+    magnitude: torch.Tensor,
+    norm: torch.Tensor,
+    scale: float,
+    eps: float,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    base_delta: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+    feature_dim: int = -1,
+    kernels: str = "auto",
+    kind: Optional[str] = None,
+) -> torch.Tensor:
+    """The final DoRA output (math: ``fastdora.ops.compose``). ``norm`` must be detached (fp32/fp64, ``[d_out]``).
+
+    ``out_dtype`` defaults to the promoted dtype of ``result``, ``lora`` and ``base_delta`` (what PEFT's
+    ``result + delta`` gives). ``kernels`` is ``"auto" | "triton" | "eager"``. ``kind`` (e.g. ``"linear"``) names the
+    layer kind in ``fastdora.stats.active_path_counter``.
+    """
+    _compose.check_norm_detached(norm)
+    if out_dtype is None:
+        out_dtype = torch.promote_types(result.dtype, lora.dtype)
+        if base_delta is not None:
+            out_dtype = torch.promote_types(out_dtype, base_delta.dtype)
+    impl = compose_impl(result, lora, magnitude, bias, base_delta, feature_dim, kernels)
+    if kind is not None:
+        record(path_key(kind, impl.name))
+    if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        # inference path: no autograd node, nothing saved
+        return impl.compose_fwd(result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, False,
+                                feature_dim)[0]
+    return impl.apply(result, lora, magnitude, norm, bias, base_delta, scale, eps, out_dtype, feature_dim)

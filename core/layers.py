@@ -23,13 +23,15 @@ from peft.utils.integrations import dequantize_module_weight
 from peft.utils.other import transpose
 from torch import nn
 
+from . import cache as _cache
+from . import compat
 from . import config as _config
 from . import dispatch as _dispatch
 from . import distributed as _distributed
-from .ops import compose as _compose_ops
-from .ops.compose import acc_dtype_for, allow_row_coef_cache, dora_compose, dora_compose_lora_b
+from .config import SETTINGS as _S
+from .dispatch import dora_compose, factored_norm
 from .ops import norm_graph as _norm_graph
-from .ops.norm import factored_norm
+from .ops.compose import acc_dtype_for, allow_row_coef_cache, saves_discarded
 from .stats import active_path_counter, path_key, record
 
 __all__ = [
@@ -45,6 +47,7 @@ __all__ = [
     "FastDoraConv3dVariant",
     "active_path_counter",
     "eps_for",
+    "is_fastdora_forward",
     "PEFT_CLASSES",
 ]
 
@@ -89,24 +92,6 @@ def eps_for(dtype: torch.dtype) -> float:
     return 1e-6 if dtype in _HALF else 1e-12
 
 
-def _tkey(t: torch.Tensor):
-    """Identity + version of a tensor's contents: any in-place change or storage swap changes it."""
-    try:
-        version = t._version
-    except RuntimeError:  # inference tensors have no version counter: never cache them
-        return None
-    return (t.data_ptr(), version, tuple(t.shape), t.stride(), t.dtype, t.device)
-
-
-def _local_key(weight_src: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float):
-    """``(key, wkey)`` of the norm cache outside distributed engines (``key`` None: not cacheable). The
-    optimizer-step epoch catches updates that bump no version counter (fused optimizers, ``.data`` writes inside
-    optimizers); W, A, B identity + versions catch every other in-place change or swap."""
-    wkey, akey, bkey = _tkey(weight_src), _tkey(lora_A), _tkey(lora_B)
-    key = None if (akey is None or bkey is None) else (_distributed.epoch(), wkey, akey, bkey, float(scale))
-    return key, wkey
-
-
 def _stored_weight(base_layer: nn.Module) -> torch.Tensor:
     """The tensor that holds the base weight as stored (the cache key source): ``weight`` for plain and bitsandbytes
     layers, ``W_q`` for HQQ."""
@@ -126,14 +111,8 @@ def _base_layer(module: nn.Module) -> nn.Module:
     return base
 
 
-_NN_MODULE = torch.nn.modules.module
 _PLAIN_PARAM = (nn.Parameter, torch.Tensor)
-
-
-def _global_hooks() -> bool:
-    """Global module hooks are set (ZeRO-3 style gathering, FSDP2 unsharding, profilers)."""
-    return bool(_NN_MODULE._global_forward_pre_hooks or _NN_MODULE._global_forward_hooks
-                or _NN_MODULE._global_backward_pre_hooks or _NN_MODULE._global_backward_hooks)
+_global_hooks = compat.global_module_hooks
 
 
 def _own_hooks(m: nn.Module) -> bool:
@@ -158,12 +137,6 @@ def _bare_linear(m: nn.Module) -> bool:
     return type(p["weight"]) in _PLAIN_PARAM and (b is None or type(b) in _PLAIN_PARAM)
 
 
-def _plain_linear(m: nn.Module) -> bool:
-    """An ``nn.Linear`` without bias, hooks or a tensor-subclass weight: calling ``F.linear`` on its weight is exactly
-    what calling the module does."""
-    return _bare_linear(m) and m._parameters["bias"] is None and not _global_hooks()
-
-
 def _peft_caching_enabled() -> bool:
     return bool(getattr(peft_dora, "ENABLE_DORA_CACHING", False))
 
@@ -178,14 +151,13 @@ class _FastDoraMixin:
         return opts if opts is not None else default_options()
 
     def _fd_invalidate(self) -> None:
-        self.__dict__["_fastdora_norm"] = {}
-        self.__dict__["_fastdora_base"] = None
-        self.__dict__["_fastdora_graphs"] = {}
+        _cache.clear(self)
 
     def _fd_graph_norm(self, adapter_name, weight, weight_src, lora_A, lora_B, scale, base_sq, budget, kernels):
         """The norm from this adapter's CUDA graph (``fastdora.ops.norm_graph``), capturing it after
-        ``CAPTURE_AFTER`` eager recomputations with the same inputs; None: compute eagerly this time."""
-        sig = _norm_graph.signature(weight, weight_src, lora_A, lora_B, scale, base_sq, kernels)
+        ``Settings.graph_capture_after`` eager recomputations with the same inputs; None: compute eagerly this time."""
+        triton = _dispatch.norm_impl(weight, lora_A, lora_B, kernels) is not _dispatch.factored_norm_eager
+        sig = _norm_graph.signature(weight, weight_src, lora_A, lora_B, scale, base_sq, triton)
         if sig is None:
             return None
         graphs = self.__dict__.setdefault("_fastdora_graphs", {})
@@ -197,7 +169,7 @@ class _FastDoraMixin:
             entry = None  # inputs moved (storage swap, new base, other stream): drop the graph
         same = entry is not None and entry[0] == sig
         count = entry[1] if same else 0
-        if count < _norm_graph.CAPTURE_AFTER:
+        if count < _S.graph_capture_after:
             graphs[adapter_name] = (sig, count + 1) + (tuple(entry[2:]) if same else ())
             return None
         g, why = _norm_graph.capture(sig, weight, lora_A, lora_B, scale, base_sq, budget)
@@ -213,14 +185,7 @@ class _FastDoraMixin:
         # pickling / deep-copying the module leaves the norm caches behind (the copy recomputes them; the cached
         # norms carry per-row coefficient caches that hold weak references, which pickle refuses)
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
-        state = dict(state)
-        if "_fastdora_norm" in state:
-            state["_fastdora_norm"] = {}
-        if "_fastdora_base" in state:
-            state["_fastdora_base"] = None
-        if "_fastdora_graphs" in state:
-            state["_fastdora_graphs"] = {}
-        return state
+        return _cache.drop_from_state(state)
 
     def _fd_peft_cache(self, adapter_name: Optional[str], norm: torch.Tensor) -> None:
         # PEFT's DoraCaching semantics for its `_dora_cache` (peft >= 0.19): filled only in eval mode while enabled.
@@ -245,41 +210,31 @@ class _FastDoraMixin:
         ``weight_src`` is the stored base parameter (keyed for the cache); ``weight_fn`` produces the effective
         weight (dequantized / transposed / flattened) only when the norm must be computed.
         """
-        opts = self._fd_options()
-        kernels, budget = opts.kernels, opts.norm_budget_bytes
-        if torch.compiler.is_compiling() or not opts.cache_norm:
+        kernels, budget = self._fd_options().kernels, _S.norm_budget_bytes
+        if torch.compiler.is_compiling() or not _S.cache_norm:
             return factored_norm(weight_fn(), lora_A, lora_B, scale, None, budget, kernels)[0]
         dist = _distributed.active()
-        if dist:  # sharding engines: epoch-based key (see fastdora.distributed)
-            key = _distributed.cache_key(self, (weight_src, lora_A, lora_B), scale)
-            wkey = _distributed.base_key(weight_src)
-        else:
-            _distributed._ensure_hooks(self)
-            key, wkey = _local_key(weight_src, lora_A, lora_B, scale)
+        key, wkey = _cache.keys(self, weight_src, lora_A, lora_B, scale, dist)
         if key is None or wkey is None:
             return factored_norm(weight_fn(), lora_A, lora_B, scale, None, budget, kernels)[0]
-        cache = self.__dict__.setdefault("_fastdora_norm", {})
-        hit = cache.get(adapter_name)
-        if hit is not None and hit[0] == key:
-            record("norm:cached")
-            return hit[1]
-        base = self.__dict__.get("_fastdora_base")
-        base_sq = base[1] if (base is not None and base[0] == wkey) else None
+        hit = _cache.get(self, adapter_name, key)
+        if hit is not None:
+            return hit
+        base_sq = _cache.base(self, wkey)
+        base_was_cached = base_sq is not None
         weight = weight_fn()
         norm = None
-        if base_sq is not None and opts.graph_norm and not dist:
+        if base_was_cached and _S.graph_norm and not dist:
             norm = self._fd_graph_norm(adapter_name, weight, weight_src, lora_A, lora_B, scale, base_sq, budget,
                                        kernels)
         if norm is None:
             norm, base_sq = factored_norm(weight, lora_A, lora_B, scale, base_sq, budget, kernels)
-        record("norm:computed" if base is None or base[0] != wkey else "norm:computed_base_cached")
-        self.__dict__["_fastdora_base"] = (wkey, base_sq)
         allow_row_coef_cache(norm)  # the eager composition may keep its per-row coefficients on a cached norm
-        cache[adapter_name] = (key, norm)
+        _cache.put(self, adapter_name, key, norm, wkey, base_sq, base_was_cached)
         return norm
 
     def _fd_compose(self, result, lora, norm, scaling, eps, out_dtype, bias=None, base_delta=None, feature_dim=-1):
-        """The fused final layer output (every layer kind): ``dora_compose`` with this module's magnitude and options."""
+        """The fused final layer output (every layer kind): ``dora_compose`` with this module's magnitude, options."""
         return dora_compose(
             result,
             lora,
@@ -348,15 +303,11 @@ class FastDoraLinearLayer(_FastDoraMixin, PEFT_CLASSES["DoraLinearLayer"]):
         fastdora_result=None,
         fastdora_out_dtype=None,
     ):
-        fuse_b = False
         if _distributed.active():  # factors / base weight may be sharded outside their own calls
             norm, lora = _distributed.linear_norm_and_lora(self, x, base_layer, lora_A, lora_B, scaling, adapter_name)
         else:
             norm = self._fd_linear_norm(base_layer, lora_A, lora_B, scaling, adapter_name)
-            # fused mode with a plain lora_B: its product joins the composition's autograd node (no d_lora pass)
-            fuse_b = fastdora_result is not None and self._fd_options().fuse_lora_b and _plain_linear(lora_B)
-            h = lora_A(x)
-            lora = None if fuse_b else lora_B(h)
+            lora = lora_B(lora_A(x))
         self._fd_peft_cache(adapter_name, norm)
         eps = eps_for(x.dtype)
         base_delta = None
@@ -365,21 +316,6 @@ class FastDoraLinearLayer(_FastDoraMixin, PEFT_CLASSES["DoraLinearLayer"]):
             if base_delta is None:
                 weight = dequantize_module_weight(base_layer).to(x.dtype)
                 base_delta = F.linear(x, transpose(weight, self.fan_in_fan_out))
-        if fuse_b:
-            return dora_compose_lora_b(
-                fastdora_result,
-                h,
-                lora_B.weight,
-                self.weight,
-                norm,
-                scaling,
-                eps,
-                bias=getattr(base_layer, "bias", None) if base_delta is None else None,
-                base_delta=base_delta,
-                out_dtype=fastdora_out_dtype,
-                kernels=self._fd_options().kernels,
-                kind=self._fastdora_kind,
-            )
         return self._fd_output(
             lora, norm, eps, scaling, base_layer, base_result, base_delta, fastdora_result, fastdora_out_dtype, -1
         )
@@ -549,7 +485,7 @@ class FastDoraLinearVariant(PEFT_CLASSES["DoraLinearVariant"]):
         mag = module.lora_magnitude_vector[active_adapter]  # may be an FSDP1 unit: call it, check what it wraps
         if not isinstance(_distributed.unwrap(mag), _FastDoraMixin):
             return PEFT_CLASSES["DoraLinearVariant"].forward(module, active_adapter, x, result, **kwargs)
-        if ("forward" not in module.__dict__ and type(mag) is FastDoraLinearLayer and mag._fd_options().lean_forward
+        if ("forward" not in module.__dict__ and type(mag) is FastDoraLinearLayer and _S.lean_forward
                 and not _distributed.active() and lean_install_safe()):
             install_lean_forward(module)  # later calls of this module take the flattened path (lean_linear_forward)
         dropout = module.lora_dropout[active_adapter]
@@ -648,7 +584,7 @@ except Exception:  # pragma: no cover - every supported PEFT has it
     _LoraLinear = None
 
 _is_compiling = torch.compiler.is_compiling
-_tracing_state = torch._C._get_tracing_state
+_tracing = compat.tracing
 
 
 def _autocast_round_trip(x: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -673,8 +609,7 @@ def lean_linear_forward(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
     It runs the same operations on the same tensors in the same order as ``lora.Linear.forward`` through
     ``FastDoraLinearVariant.forward`` and ``FastDoraLinearLayer.forward`` -- base layer, PEFT's input cast,
     ``lora_A``, ``lora_B``, the cached norm (the key of ``_fd_weight_norm``; anything but a hit goes through that
-    method), PEFT's ``_dora_cache`` bookkeeping, the fused composition (with ``fuse_lora_b`` and a plain ``lora_B``:
-    ``dora_compose_lora_b``, as ``FastDoraLinearLayer.forward``) -- so outputs, gradients and the recorded paths
+    method), PEFT's ``_dora_cache`` bookkeeping, the fused composition -- so outputs, gradients and the recorded paths
     are identical. Every other call goes to the class's own ``forward`` (PEFT's, which routes through the fastdora
     variant as before): extra arguments (``adapter_names``, variant kwargs), adapters disabled or merged, not exactly
     one active adapter present on the layer, an adapter not converted to fastdora, dropout in training mode, hooks
@@ -705,7 +640,7 @@ def lean_linear_forward(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
         or module._disable_adapters
         or module.merged_adapters
         or _is_compiling()
-        or _tracing_state() is not None
+        or _tracing()
         or _distributed.active()
         or type(module.lora_variant.get(a)) is not FastDoraLinearVariant
     ):
@@ -714,7 +649,7 @@ def lean_linear_forward(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
     opts = mag.__dict__.get("_fastdora_options") or default_options()
     if (
         type(mag) is not FastDoraLinearLayer
-        or not opts.lean_forward
+        or not _S.lean_forward
         or (module.training and type(mods["lora_dropout"]._modules[a]) is not nn.Identity)
         or _global_hooks()
         or _own_hooks(mag)
@@ -728,13 +663,12 @@ def lean_linear_forward(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
     bare_a = _bare_linear(lora_A) and lora_A._parameters["bias"] is None
     b_weight = lora_B._parameters["weight"]
     plain_b = _bare_linear(lora_B) and lora_B._parameters["bias"] is None
-    fuse_b = plain_b and opts.fuse_lora_b  # lora_B's product inside the composition's node (FastDoraLinearLayer's rule)
     x_dtype = x.dtype  # the dtype PEFT's LoRA branch computes in (eps below)
     cast_x = False
     if x_dtype != a_weight.dtype and getattr(module, "cast_input_dtype_enabled", True):
         x_dtype = a_weight.dtype
         cast_x = not (bare_a and _autocast_round_trip(x, a_weight.dtype))
-    if bare_base and bare_a and plain_b and not (fuse_b or cast_x) and opts.layer_node:
+    if bare_base and bare_a and plain_b and not cast_x and _S.layer_node:
         weight, bias = base._parameters["weight"], base._parameters["bias"]
         m = mag._parameters["weight"]
         node = None
@@ -745,7 +679,7 @@ def lean_linear_forward(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
             mag._fd_peft_cache(a, norm)
             record(_LINEAR_TRITON)
             train = m.requires_grad and torch.is_grad_enabled()
-            discard = train and _compose_ops.saves_discarded()
+            discard = train and saves_discarded()
             from_y = (train and bias is None and opts.dm_from_output and _linear_out_dtype(x) in _FROM_Y_DTYPES
                       and _magnitude_nonzero(mag, m))
             return node.dora_linear(x, weight, bias, a_weight, b_weight, m, norm, float(scaling), eps_for(x_dtype),
@@ -757,14 +691,10 @@ def lean_linear_forward(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
     if cast_x:
         x = module._cast_input_dtype(x, a_weight.dtype)
     h = F.linear(x, a_weight) if bare_a else lora_A(x)
-    lora = None if fuse_b else (F.linear(h, b_weight) if plain_b else lora_B(h))
+    lora = F.linear(h, b_weight) if plain_b else lora_B(h)
     base_layer = base if "base_layer" not in base._modules else module.get_base_layer()
     norm = _lean_norm(mag, a, opts, base_layer, lora_A, lora_B, a_weight, b_weight, scaling)
     mag._fd_peft_cache(a, norm)
-    if fuse_b:
-        return dora_compose_lora_b(result, h, b_weight, mag._parameters["weight"], norm, scaling, eps_for(x_dtype),
-                                   bias=getattr(base_layer, "bias", None), out_dtype=result.dtype,
-                                   kernels=opts.kernels, kind="linear")
     return dora_compose(result, lora, mag._parameters["weight"], norm, scaling, eps_for(x_dtype),
                         bias=getattr(base_layer, "bias", None), out_dtype=result.dtype, kernels=opts.kernels,
                         kind="linear")
@@ -858,15 +788,13 @@ def _check_magnitudes(mag: nn.Module, m: torch.Tensor) -> bool:
 
 
 def _lean_norm(mag, a, opts, base_layer, lora_A, lora_B, a_weight, b_weight, scaling):
-    """The lean forward's norm: a cache hit checked here with ``_fd_weight_norm``'s key (``_local_key``); anything
+    """The lean forward's norm: a cache hit checked here with ``_fd_weight_norm``'s key (``cache.local_key``); anything
     else through that method."""
-    cache = mag.__dict__.get("_fastdora_norm")
-    hit = cache.get(a) if cache else None
-    if hit is not None and opts.cache_norm:
-        key, wkey = _local_key(_stored_weight(base_layer), a_weight, b_weight, scaling)
-        if key is not None and wkey is not None and hit[0] == key:
-            record("norm:cached")
-            return hit[1]
+    if mag.__dict__.get("_fastdora_norm") and _S.cache_norm:
+        key, wkey = _cache.local_key(_stored_weight(base_layer), a_weight, b_weight, scaling)
+        hit = _cache.get(mag, a, key) if wkey is not None else None
+        if hit is not None:
+            return hit
     return mag._fd_linear_norm(base_layer, lora_A, lora_B, scaling, a)
 
 
@@ -878,8 +806,8 @@ def lean_install_safe() -> bool:
     a checkpoint's first forward installs it in that checkpoint's recomputation (after which its first forward and
     recomputation both take it). ``fastdora.enable(model)`` installs it up front; this covers layers PEFT creates
     later (process-wide mode)."""
-    hook = _compose_ops.top_pack_hook()
-    return hook is None or getattr(hook, "__code__", None) in _compose_ops.RECOMPUTE_PACK_CODES
+    hook = compat.top_pack_hook()
+    return hook is None or getattr(hook, "__code__", None) in compat.RECOMPUTE_PACK_CODES
 
 
 def install_lean_forward(module: nn.Module) -> bool:
@@ -900,5 +828,10 @@ def remove_lean_forward(module: nn.Module) -> None:
         del module.__dict__["forward"]
 
 
-def _is_lean(fn) -> bool:
+def is_fastdora_forward(fn) -> bool:
+    """Whether ``fn`` (a module's instance-level ``forward``) is fastdora's own lean forward (plugins tell it from a
+    foreign one that may bypass PEFT's DoRA path)."""
     return type(fn) is functools.partial and fn.func is lean_linear_forward
+
+
+_is_lean = is_fastdora_forward

@@ -10,6 +10,7 @@ from peft.tuners.lora import variants as peft_variants
 import torch
 from torch import nn
 
+from . import cache as _cache
 from . import config as _config
 from . import layers as _layers
 
@@ -45,6 +46,7 @@ class EnableReport:
     disabled_reason: Optional[str] = None  # set when nothing was done (kill switch)
     options: Optional[_config.Options] = None
     native_node: Optional[str] = None  # the composition's C++ autograd node: "active" or why not (kernels/native.py)
+    native_launch: Optional[str] = None  # how the active node launches: "direct" or why through Triton's launcher
 
     @property
     def total_converted(self) -> int:
@@ -81,7 +83,10 @@ class EnableReport:
         if self.options is not None:
             parts.append(f"kernels={self.options.kernels}")
         if self.native_node is not None:
-            parts.append(f"C++ composition node: {self.native_node}")
+            node = f"C++ composition node: {self.native_node}"
+            if self.native_launch is not None and self.native_node == "active":
+                node += f" (kernel launch: {self.native_launch})"
+            parts.append(node)
         return "fastdora: " + "; ".join(parts)
 
 
@@ -141,7 +146,7 @@ def _install_lean(module: nn.Module, mag: nn.Module, options: _config.Options) -
     """The lean forward from the first call on (``fastdora.layers.install_lean_forward``; it checks every call's
     conditions itself): the first call then takes the same path as every later one, also in a checkpoint's first
     forward and its recomputation."""
-    if options.lean_forward and type(mag) is _layers.FastDoraLinearLayer:
+    if _config.SETTINGS.lean_forward and type(mag) is _layers.FastDoraLinearLayer:
         if _layers.install_lean_forward(module):
             _layers.CHECKED_MAGNITUDES.add(mag)  # the magnitude check batches the model's layers from the first step
 
@@ -174,30 +179,31 @@ def enable(model: Optional[nn.Module] = None, **options: Any) -> EnableReport:
         _set_peft_globals(True)
         _process_wide = True
         report.process_wide = True
-        report.native_node = _native_node(opts)
+        report.native_node, report.native_launch = _native_node(opts)
         return report
     if not isinstance(model, nn.Module):
         raise TypeError(f"fastdora.enable(model=...) expects a torch.nn.Module, got {type(model).__name__}")
     _convert_model(model, opts, report)
-    report.native_node = _native_node(opts)
+    report.native_node, report.native_launch = _native_node(opts)
     return report
 
 
-def _native_node(opts: _config.Options) -> str:
+def _native_node(opts: _config.Options) -> tuple[str, Optional[str]]:
     """Build / import the C++ composition node now where it would serve this process (CUDA and Triton present, not
-    ``kernels="eager"``), so its one-time compile happens here rather than in the first training step; its status."""
+    ``kernels="eager"``), so its one-time compile and self-check happen here rather than in the first training step;
+    ``(its status, how it launches)``."""
     if opts.kernels == "eager":
-        return "not used (kernels='eager')"
+        return "not used (kernels='eager')", None
     if not torch.cuda.is_available():
-        return "not used (no CUDA device)"
+        return "not used (no CUDA device)", None
     from . import dispatch
 
     if not dispatch.triton_available():
-        return "not used (Triton not importable)"
+        return "not used (Triton not importable)", None
     from .kernels import native
 
-    native.node()
-    return native.status()
+    dispatch.native_node()
+    return native.status(), (native.launch_status() if native.NODE is not None else None)
 
 
 def disable(model: Optional[nn.Module] = None) -> int:
@@ -218,7 +224,7 @@ def disable(model: Optional[nn.Module] = None) -> int:
                 module.lora_variant[adapter] = _layers.PEFT_OF[type(variant)]()
             if type(mag) in _layers.PEFT_OF:
                 mag.__class__ = _layers.PEFT_OF[type(mag)]
-                for attr in ("_fastdora_options", "_fastdora_norm", "_fastdora_base", "_fastdora_graphs"):
+                for attr in ("_fastdora_options",) + _cache.ATTRS:
                     mag.__dict__.pop(attr, None)
                 restored += 1
     return restored

@@ -37,8 +37,8 @@ make_venv() {  # make_venv DIR PEFT_VERSION TRANSFORMERS_SPEC EXTRA...
     "$dir/bin/pip" install -q --upgrade pip
     "$dir/bin/pip" install -q "torch==2.13.0"
     "$dir/bin/pip" install -q "peft==$peft" "$tf" accelerate pytest pytest-xdist parameterized datasets \
-      diffusers scipy scikit-learn protobuf sentencepiece safetensors attrs "$@"
-    # DeepSpeed (ZeRO-2/3 cases of tests/test_distributed.py run on CPU): an sdist whose build imports torch
+      diffusers scipy scikit-learn protobuf sentencepiece safetensors attrs ruff "$@"
+    # DeepSpeed (ZeRO-2/3 cases of tests/peft/test_distributed.py run on CPU): an sdist whose build imports torch
     "$dir/bin/pip" install -q --no-build-isolation "deepspeed==0.19.8" hjson ninja py-cpuinfo pydantic msgpack
     "$dir/bin/pip" install -q --no-deps -e "$ROOT"
     touch "$dir/.ok"
@@ -82,6 +82,8 @@ VENV="$WORK/venv-test"
 
 say "venv: newest PEFT $PEFT_NEWEST (+ triton for the interpreter tests, bitsandbytes + hqq for quantized bases)"
 make_venv "$VENV" "$PEFT_NEWEST" "transformers" "triton" "bitsandbytes" "hqq"
+say "ruff check (pyflakes + pycodestyle errors; pyproject.toml [tool.ruff])"
+"$VENV/bin/ruff" check "$ROOT"
 say "fastdora tests, PEFT $PEFT_NEWEST"
 run_fastdora_tests "$VENV"
 if [ "${FASTDORA_TEST_QUICK:-0}" = 1 ]; then say "quick mode: done"; exit 0; fi

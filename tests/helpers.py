@@ -175,7 +175,7 @@ def assert_same_grads(ga: dict, gb: dict, dtype, what=""):
 
 def save_inner_flags(monkeypatch, impl) -> list:
     """The ``save_inner`` argument of every ``impl.compose_fwd`` call (``fastdora.ops.compose.EAGER`` or
-    ``fastdora.kernels.compose.TRITON``), in call order, while ``monkeypatch`` is active."""
+    ``fastdora.ops.compose.triton_impl()``), in call order, while ``monkeypatch`` is active."""
     flags = []
     real = impl.compose_fwd
 

@@ -24,7 +24,8 @@ def assert_one_rounding(k: torch.Tensor, ref64: torch.Tensor, terms64: torch.Ten
     bound = ulp + 1e-6 * terms64.double()
     err = (k.double() - ref64).abs()
     bad = err > bound
-    assert not bad.any(), f"{what}: {int(bad.sum())} elements beyond one rounding, worst {float((err - bound).max()):.3g}"
+    assert not bad.any(), (f"{what}: {int(bad.sum())} elements beyond one rounding, "
+                           f"worst {float((err - bound).max()):.3g}")
 
 
 def ref_compose64(result, lora, magnitude, norm, scale, eps):

@@ -2,7 +2,7 @@
 
 ``JITFunction.__getitem__(grid)(...)`` re-derives the specialisation of every argument, rebuilds the option set and
 looks the compiled kernel up on every call: tens of microseconds of Python per launch, which a DoRA training step
-pays three or four times per layer per micro-batch (measured host-bound on the H200, benchmarks/README.md). A
+pays three or four times per layer per micro-batch (a host-bound step on the H200). A
 ``Launcher`` does the first launch of each specialisation through Triton's JIT (compiling it), keeps the
 ``CompiledKernel`` it returns, and launches later calls with the same specialisation through that object directly.
 
@@ -23,6 +23,8 @@ from typing import Optional
 
 import torch
 
+from .. import compat
+
 try:  # pragma: no cover - exercised wherever triton is installed
     from triton.runtime.jit import JITFunction
 except Exception:  # pragma: no cover
@@ -38,9 +40,8 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# the current CUDA device as an int (torch.cuda.current_device() minus its Python layer; CUDA is initialised wherever
-# a CUDA tensor exists); CPU-only builds have no such binding and never need it
-_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+_current_device = compat.current_device
+_raw_stream = compat.raw_stream
 
 
 def device_ctx(t: torch.Tensor):
@@ -50,24 +51,13 @@ def device_ctx(t: torch.Tensor):
     return _NULL
 
 
-# the raw handle of a device's current CUDA stream: what Triton's own driver uses (same fallback)
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
-    lambda idx: torch.cuda.current_stream(idx).cuda_stream
-)
-
-
 def current_stream(t: torch.Tensor) -> tuple:
     """``(device index, raw stream)`` of CUDA tensor ``t``'s device's current stream (a cheap identity of it)."""
     idx = t.get_device()
     return idx, _raw_stream(idx)
 
 
-# whether the current CUDA stream is capturing a graph (CPU-only builds have no such binding: never)
-_is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
-
-
-def capturing() -> bool:
-    return _is_capturing is not None and _is_capturing()
+capturing = compat.stream_capturing
 
 
 def _fast_launch_supported() -> bool:

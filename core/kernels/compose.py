@@ -30,10 +30,20 @@ from typing import Optional
 
 import torch
 
-from ..ops import compose as _ops
-from . import _launch, native as _native
+from ..config import SETTINGS as _S
+from . import _launch
 
 _cdiv = _launch.cdiv  # module global: one lookup less on the launch path
+
+# where launches register their templates for the C++ node (``fastdora.kernels.native`` while its node is active,
+# set by :func:`set_template_registrar`); None: no node, nothing to register
+_registrar = None
+
+
+def set_template_registrar(registrar) -> None:
+    """``registrar.register_fwd(...)`` / ``register_bwd(...)`` receive every later launch (None: stop)."""
+    global _registrar
+    _registrar = registrar
 
 try:  # pragma: no cover - exercised wherever triton is installed
     import triton
@@ -45,19 +55,7 @@ except Exception:  # pragma: no cover
     tl = None
     AVAILABLE = False
 
-__all__ = ["AVAILABLE", "TRITON", "worth_it", "CROSSOVER_NUMEL"]
-
-# Auto mode uses the kernels from this many elements of ``result`` on; below it, the exact eager path. Measured on
-# one H200 (torch 2.11, Triton 3.6) by ``benchmarks/kernels_bench.py --sections crossover``
-# (benchmarks/results/kernels_h200_run2.json, "crossover"): the fused path was faster than eager at every size
-# measured, 1K..64M elements, in wall-clock time per call (forward 0.063 vs 0.083 ms and forward+backward 0.49 vs
-# 0.86 ms at 1K elements; 0.10 vs 1.00 ms and 0.50 vs 2.82 ms at 64M). So the threshold is the smallest size measured.
-CROSSOVER_NUMEL = 1 << 10
-
-
-def worth_it(result: torch.Tensor) -> bool:
-    """Auto-mode crossover: use the kernels for problems of at least ``CROSSOVER_NUMEL`` elements."""
-    return result.numel() >= CROSSOVER_NUMEL
+__all__ = ["AVAILABLE", "compose_fwd", "compose_bwd", "fwd_supported", "bwd_supported"]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -290,17 +288,6 @@ if AVAILABLE:
 # block-size heuristics
 # --------------------------------------------------------------------------------------------------------------------
 
-# L2 eviction policy of the backward's loads of dy and inner (their last use): "" (the default policy) or
-# "evict_first"; benchmarks/kernels_bench.py --sections evict compares them
-_BWD_EVICT = ""
-# software-pipelining stages of the backward's row loop: None (Triton's default) or a count; a benchmark knob
-# (kernels_bench.py --sections bwd_sweep)
-_BWD_STAGES = None
-
-# benchmarks/kernels_bench.py may set these to sweep configurations: {"fwd": (BLOCK_M, BLOCK_N, warps), "bwd": ...}
-_CONFIG_OVERRIDE: dict = {}
-
-
 @functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
@@ -313,8 +300,8 @@ def _next_pow2(n: int) -> int:
 
 
 def _fwd_config(M: int, N: int, device: torch.device) -> tuple[int, int, int]:
-    if "fwd" in _CONFIG_OVERRIDE:
-        return _CONFIG_OVERRIDE["fwd"]
+    if "fwd" in _S.compose_config:
+        return _S.compose_config["fwd"]
     return _fwd_config_cached(M, N)
 
 
@@ -329,7 +316,7 @@ def _fwd_config_cached(M: int, N: int) -> tuple[int, int, int]:
 def _bwd_config(M: int, N: int, device: torch.device) -> tuple[int, int, int, int, bool]:
     """(BLOCK_M, BLOCK_N, warps, rows_per_prog, prefetch): depends only on the shape and the GPU model, so the
     magnitude-gradient summation order is fixed (bitwise deterministic)."""
-    if "bwd" not in _CONFIG_OVERRIDE:
+    if "bwd" not in _S.compose_config:
         return _bwd_config_cached(M, N, device)
     return _bwd_config_uncached(M, N, device)
 
@@ -341,17 +328,18 @@ def _bwd_config_cached(M: int, N: int, device: torch.device) -> tuple[int, int, 
 
 def _bwd_config_uncached(M: int, N: int, device: torch.device) -> tuple[int, int, int, int, bool]:
     exact = False
-    if "bwd" in _CONFIG_OVERRIDE:
+    override = _S.compose_config.get("bwd")
+    if override is not None:
         # (BLOCK_M, BLOCK_N, warps, programs per SM, prefetch[, exact]): exact = rows per program not rounded up to
-        # whole BLOCK_M tiles, so the grid is exactly programs-per-SM x SMs (a benchmark knob)
-        block_m, block_n, warps, target, prefetch = _CONFIG_OVERRIDE["bwd"][:5]
-        exact = len(_CONFIG_OVERRIDE["bwd"]) > 5 and bool(_CONFIG_OVERRIDE["bwd"][5])
+        # whole BLOCK_M tiles, so the grid is exactly programs-per-SM x SMs
+        block_m, block_n, warps, target, prefetch = override[:5]
+        exact = len(override) > 5 and bool(override[5])
     else:
-        # from the sweeps in benchmarks/results/kernels_h200_run{2,3}.json ("sweep", 16384x4096 AMP): 64x128
-        # tiles, 8 warps, no software prefetch (the prefetching loop measured 81%); a row loop sized for ~4 programs
-        # per SM, rows per program not rounded to whole tiles (results/h200_2026-11-30_s14/, bwd_sweep, medians of
-        # 3 interleaved rounds, % of copy bandwidth, AMP / bf16: 16384x4096 85.3 / 85.4 vs 84.7 / 84.7 with ~8
-        # programs per SM; 8192x4096 77.5 vs 76.6; 8192x12288 87.9 vs 87.8; 16384x12288 90.4 / 90.5 either way)
+        # measured on the H200 (kernels_bench.py sweeps, 16384x4096 AMP): 64x128 tiles, 8 warps, no software
+        # prefetch (the prefetching loop reached 81% of the copy bandwidth); a row loop sized for ~4 programs per
+        # SM, rows per program not rounded to whole tiles (medians of 3 interleaved rounds, % of copy bandwidth,
+        # AMP / bf16: 16384x4096 85.3 / 85.4 vs 84.7 / 84.7 with ~8 programs per SM; 8192x4096 77.5 vs 76.6;
+        # 8192x12288 87.9 vs 87.8; 16384x12288 90.4 / 90.5 either way)
         block_n = min(_next_pow2(N), 128)
         block_m = max(1, min(_next_pow2(M), 8192 // block_n))
         warps = 8 if block_m * block_n >= 4096 else 4
@@ -372,6 +360,7 @@ def _bwd_config_uncached(M: int, N: int, device: torch.device) -> tuple[int, int
 # --------------------------------------------------------------------------------------------------------------------
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_HALF_IO = (torch.bfloat16, torch.float16)
 _CONTIG = torch.contiguous_format
 
 
@@ -401,13 +390,6 @@ def _kernel_ok(*tensors: Optional[torch.Tensor]) -> bool:
     return True
 
 
-# the backward's second stage (sum of the per-row-block partials) runs in the backward kernel itself, in the last
-# program of each column block (one launch per layer backward instead of two); False: a second kernel (_RED)
-_FUSE_REDUCE = True
-# register cap of the fused backward kernel: its count-and-sum epilogue made ptxas use 155 registers per thread instead
-# of the two-kernel version's 128, halving the programs per SM (8 warps); GPU time +6-7% at 4096x12288 and 8192x4096
-# (benchmarks/fused_reduce_probe.py, session 18). None: the compiler's choice
-_BWD_MAXNREG = 128
 _COUNTERS: dict = {}  # (device index, stream) -> int32 program counters, all zero between launches
 
 
@@ -428,10 +410,11 @@ def _counters(t: torch.Tensor, n: int) -> Optional[torch.Tensor]:
     return c
 
 
-def compose_fwd(result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, save_inner, feature_dim=-1):
-    """Triton forward; same contract as ``compose_fwd_eager``."""
+def fwd_supported(result, lora, magnitude, norm, bias, base_delta, out_dtype, feature_dim=-1) -> bool:
+    """Whether :func:`compose_fwd` covers this composition (shapes, feature dim last, kernel dtypes); the caller
+    runs the exact eager forward otherwise."""
     N = result.shape[-1] if result.dim() else 1
-    if (
+    return not (
         result.dim() == 0
         or feature_dim not in (-1, result.dim() - 1)
         or lora.shape != result.shape
@@ -441,10 +424,13 @@ def compose_fwd(result, lora, magnitude, norm, scale, eps, bias, base_delta, out
         or norm.numel() != N
         or not _kernel_ok(result, lora, base_delta, bias, magnitude, norm)
         or out_dtype not in _KERNEL_DTYPES
-    ):
-        return _ops.compose_fwd_eager(
-            result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, save_inner, feature_dim
-        )
+    )
+
+
+def compose_fwd(result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, save_inner, feature_dim=-1):
+    """Triton forward for a composition :func:`fwd_supported` covers; the contract of
+    ``fastdora.ops.compose.compose_fwd_eager``."""
+    N = result.shape[-1]
     inner_dtype = torch.promote_types(result.dtype, lora.dtype)
     y = torch.empty_like(result, dtype=out_dtype, memory_format=_CONTIG)
     inner = torch.empty_like(result, dtype=inner_dtype, memory_format=_CONTIG) if save_inner else None
@@ -463,8 +449,8 @@ def compose_fwd(result, lora, magnitude, norm, scale, eps, bias, base_delta, out
                                                not result.is_cuda, block_m, block_n)
     with _launch.device_ctx(result):
         entry = _FWD(grid, tensors, ints, (float(scale), float(eps)), consts, warps)
-    if _native.NODE is not None and base_delta is None:  # a launch template for the C++ node
-        _native.register_fwd(
+    if _registrar is not None and base_delta is None:  # a launch template for the C++ node
+        _registrar.register_fwd(
             _FWD, entry, grid, tensors, ints, (float(scale), float(eps)), consts, warps,
             (result, lora, bias, magnitude, norm, y, inner),
             (result.dtype, lora.dtype, out_dtype, magnitude.dtype, norm.dtype, None if bias is None else bias.dtype),
@@ -473,15 +459,11 @@ def compose_fwd(result, lora, magnitude, norm, scale, eps, bias, base_delta, out
     return y, inner
 
 
-def compose_bwd(
-    dy, magnitude, norm, scale, eps, inner, delta_form, result_dtype, lora_dtype, base_delta_dtype,
-    need_dm, need_dbias, feature_dim=-1, need_dresult=True, need_dlora=True, dm_from_y=False,
-):
-    """Triton backward; same contract as ``compose_bwd_eager``. ``need_dresult`` / ``need_dlora`` (extra,
-    keyword-only in spirit) let the custom-op path skip outputs nobody asked for (returned as ``None``).
-    ``dm_from_y``: ``inner`` holds the bias-free output ``y = g * inner`` (see ``compose_bwd_eager``)."""
+def bwd_supported(dy, magnitude, norm, inner, result_dtype, lora_dtype, base_delta_dtype, need_dm,
+                  feature_dim=-1) -> bool:
+    """Whether :func:`compose_bwd` covers this backward; the caller runs the exact eager backward otherwise."""
     N = dy.shape[-1] if dy.dim() else 1
-    if (
+    return not (
         dy.dim() == 0
         or feature_dim not in (-1, dy.dim() - 1)
         or magnitude.numel() != N
@@ -491,11 +473,17 @@ def compose_bwd(
         or result_dtype not in _KERNEL_DTYPES
         or lora_dtype not in _KERNEL_DTYPES
         or (base_delta_dtype is not None and base_delta_dtype not in _KERNEL_DTYPES)
-    ):
-        return _ops.compose_bwd_eager(
-            dy, magnitude, norm, scale, eps, inner, delta_form, result_dtype, lora_dtype, base_delta_dtype,
-            need_dm, need_dbias, feature_dim, need_dlora, dm_from_y,
-        )
+    )
+
+
+def compose_bwd(
+    dy, magnitude, norm, scale, eps, inner, delta_form, result_dtype, lora_dtype, base_delta_dtype,
+    need_dm, need_dbias, feature_dim=-1, need_dresult=True, need_dlora=True, dm_from_y=False,
+):
+    """Triton backward for a backward :func:`bwd_supported` covers; the contract of
+    ``fastdora.ops.compose.compose_bwd_eager``. ``need_dresult`` / ``need_dlora`` let callers skip outputs nobody
+    asked for (returned as ``None``). ``dm_from_y``: ``inner`` holds the bias-free output ``y = g * inner``."""
+    N = dy.shape[-1]
     need_dbias = bool(need_dbias)
     dm_from_y = bool(dm_from_y) and bool(need_dm)
     dev = dy.device
@@ -535,17 +523,22 @@ def compose_bwd(
     soft = not dy.is_cuda
     reduce = need_dm or need_dbias
     rp = min(32, _next_pow2(n_parts))  # partial rows per load of the second stage
-    counts = _counters(dy, n_col) if (reduce and _FUSE_REDUCE) else None
+    counts = _counters(dy, n_col) if (reduce and _S.bwd_fuse_reduce) else None
     dm_out = dm if dm is not None else mag
     db_out = d_bias if d_bias is not None else mag
     tensors = (dy2, in2, mag, nrm, dres2, dl2, dbd2, part_dm, part_db, dm_out, db_out,
                counts if counts is not None else mag)
     ints = (M, N, rows_per_prog, dys, ins, dres_s, dl_s, dbd_s)
     consts = (bool(delta_form), write_dres, d_lora is not None, bool(need_dm), need_dbias, soft, prefetch,
-              block_m, block_n, _BWD_EVICT, counts is not None, rp if counts is not None else 1, dm_from_y)
-    maxnreg = _BWD_MAXNREG if counts is not None else None
+              block_m, block_n, _S.bwd_evict, counts is not None, rp if counts is not None else 1, dm_from_y)
+    # the register cap keeps two 8-warp programs per SM for the fused epilogue where every tensor is half precision;
+    # with an fp32 d_lora / dy (bf16 result, fp32 adapters without autocast) the cap cost 2.2x (37-42% of the copy
+    # bandwidth vs 81-91% uncapped, kernels_bench.py on the H200), so it applies to the all-half case only
+    half_io = dy.dtype in _HALF_IO and result_dtype in _HALF_IO and lora_dtype in _HALF_IO
+    maxnreg = _S.bwd_maxnreg if (counts is not None and half_io) else None
+    stages = _S.bwd_stages
     with _launch.device_ctx(dy):
-        entry = _BWD(grid, tensors, ints, (float(scale), float(eps)), consts, warps, _BWD_STAGES, maxnreg=maxnreg)
+        entry = _BWD(grid, tensors, ints, (float(scale), float(eps)), consts, warps, stages, maxnreg=maxnreg)
         if reduce and counts is None:
             rb = min(64, _next_pow2(N))
             _RED(
@@ -556,9 +549,9 @@ def compose_bwd(
                 (bool(need_dm), need_dbias, soft, rp, rb, dm_from_y),
                 4,
             )
-    if _native.NODE is not None and not (reduce and counts is None) and not delta_form and not need_dbias:
-        _native.register_bwd(  # a launch template for the C++ node
-            _BWD, entry, grid, tensors, ints, (float(scale), float(eps)), consts, warps, _BWD_STAGES, maxnreg,
+    if _registrar is not None and not (reduce and counts is None) and not delta_form and not need_dbias:
+        _registrar.register_bwd(  # a launch template for the C++ node
+            _BWD, entry, grid, tensors, ints, (float(scale), float(eps)), consts, warps, stages, maxnreg,
             (dy2, in2 if need_dm else None, mag, nrm, d_result if write_dres else None, d_lora,
              part_dm if need_dm else None, dm, counts),
             (dy.dtype, inner.dtype if need_dm else None, result_dtype, lora_dtype, magnitude.dtype, norm.dtype),
@@ -567,186 +560,3 @@ def compose_bwd(
             n_col if counts is not None else 0,
         )
     return d_result, d_lora, d_bd, dm, d_bias
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# autograd: torch.library custom ops (torch.compile sees one opaque op per direction), plain Function otherwise
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def _empty_like0(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    return t.new_empty((0,), dtype=dtype or t.dtype)
-
-
-def _define_ops() -> bool:
-    if not hasattr(torch.library, "custom_op") or not hasattr(torch.library, "register_fake"):
-        return False
-    try:
-        if hasattr(torch.ops, "fastdora") and hasattr(torch.ops.fastdora, "dora_compose_fwd"):
-            return True  # already registered (module imported under a second name)
-    except Exception:  # pragma: no cover
-        pass
-
-    @torch.library.custom_op("fastdora::dora_compose_fwd", mutates_args=())
-    def _fwd_op(
-        result: torch.Tensor,
-        lora: torch.Tensor,
-        magnitude: torch.Tensor,
-        norm: torch.Tensor,
-        bias: Optional[torch.Tensor],
-        base_delta: Optional[torch.Tensor],
-        scale: float,
-        eps: float,
-        out_dtype: torch.dtype,
-        save_inner: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        y, inner = compose_fwd(result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, save_inner)
-        return y, (inner if inner is not None else _empty_like0(result, torch.promote_types(result.dtype, lora.dtype)))
-
-    @_fwd_op.register_fake
-    def _(result, lora, magnitude, norm, bias, base_delta, scale, eps, out_dtype, save_inner):
-        inner_dtype = torch.promote_types(result.dtype, lora.dtype)
-        y = result.new_empty(result.shape, dtype=out_dtype)
-        inner = result.new_empty(result.shape, dtype=inner_dtype) if save_inner else _empty_like0(result, inner_dtype)
-        return y, inner
-
-    @torch.library.custom_op("fastdora::dora_compose_bwd", mutates_args=())
-    def _bwd_op(
-        dy: torch.Tensor,
-        magnitude: torch.Tensor,
-        norm: torch.Tensor,
-        inner: torch.Tensor,
-        scale: float,
-        eps: float,
-        delta_form: bool,
-        result_dtype: torch.dtype,
-        lora_dtype: torch.dtype,
-        base_delta_dtype: torch.dtype,
-        need_dresult: bool,
-        need_dlora: bool,
-        need_dm: bool,
-        need_dbias: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        # delta form: d_result (= dy cast) is produced outside the op (an op output must not alias an input)
-        d_result, d_lora, d_bd, dm, d_bias = compose_bwd(
-            dy, magnitude, norm, scale, eps, inner if need_dm else None, delta_form, result_dtype, lora_dtype,
-            base_delta_dtype if delta_form else None, need_dm, need_dbias,
-            need_dresult=need_dresult and not delta_form, need_dlora=need_dlora,
-        )
-        if delta_form:
-            d_result = None
-        acc = torch.float64 if torch.float64 in (dy.dtype, magnitude.dtype) else torch.float32
-        # unneeded outputs: distinct empty tensors (custom-op outputs must not alias each other)
-        return tuple(t if t is not None else _empty_like0(dy, acc) for t in (d_result, d_lora, d_bd, dm, d_bias))
-
-    @_bwd_op.register_fake
-    def _(dy, magnitude, norm, inner, scale, eps, delta_form, result_dtype, lora_dtype, base_delta_dtype,
-          need_dresult, need_dlora, need_dm, need_dbias):
-        acc = torch.float64 if torch.float64 in (dy.dtype, magnitude.dtype) else torch.float32
-        n = dy.shape[-1]
-        return (
-            dy.new_empty(dy.shape, dtype=result_dtype) if need_dresult and not delta_form else _empty_like0(dy, acc),
-            dy.new_empty(dy.shape, dtype=lora_dtype) if need_dlora else _empty_like0(dy, acc),
-            dy.new_empty(dy.shape, dtype=base_delta_dtype) if delta_form else _empty_like0(dy, acc),
-            magnitude.new_empty(magnitude.shape) if need_dm else _empty_like0(dy, acc),
-            dy.new_empty((n,), dtype=acc) if need_dbias else _empty_like0(dy, acc),
-        )
-
-    def _setup_context(ctx, inputs, output):
-        result, lora, magnitude, norm, bias, base_delta, scale, eps, out_dtype, save_inner = inputs
-        _, inner = output
-        ctx.save_for_backward(magnitude, norm, inner)
-        ctx.scale, ctx.eps, ctx.save_inner = scale, eps, save_inner
-        ctx.delta_form = base_delta is not None
-        ctx.dtypes = (result.dtype, lora.dtype, base_delta.dtype if base_delta is not None else result.dtype)
-        ctx.has_bias = bias is not None
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-
-    def _backward(ctx, dy, _d_inner):
-        magnitude, norm, inner = ctx.saved_tensors
-        rd, ld, bdd = ctx.dtypes
-        nig = ctx.needs_input_grad
-        need_dm = bool(nig[2]) and ctx.save_inner
-        need_dbias = bool(nig[4]) and ctx.has_bias and not ctx.delta_form
-        d_result, d_lora, d_bd, dm, d_bias = torch.ops.fastdora.dora_compose_bwd(
-            dy, magnitude, norm, inner, ctx.scale, ctx.eps, ctx.delta_form, rd, ld, bdd,
-            bool(nig[0]), bool(nig[1]), need_dm, need_dbias,
-        )
-        if ctx.delta_form:
-            d_result = dy.to(rd) if nig[0] else None
-        elif not nig[0]:
-            d_result = None
-        return (
-            d_result,
-            d_lora if nig[1] else None,
-            dm if need_dm else None,
-            None,
-            d_bias.to(ctx.bias_dtype) if need_dbias else None,
-            d_bd if (ctx.delta_form and nig[5]) else None,
-            None, None, None, None,
-        )
-
-    torch.library.register_autograd("fastdora::dora_compose_fwd", _backward, setup_context=_setup_context)
-    return True
-
-
-class _TritonImpl:
-    """Same interface as ``fastdora.ops.compose.EAGER``."""
-
-    name = "triton"
-    # the module functions themselves (no forwarding frame on the hot path); callers pass ``need_dlora`` by keyword
-    compose_fwd = staticmethod(compose_fwd)
-    compose_bwd = staticmethod(compose_bwd)
-
-
-TRITON = _TritonImpl() if AVAILABLE else None
-
-if AVAILABLE:
-    _apply_function = _ops._apply_autograd(TRITON)
-    try:
-        HAS_CUSTOM_OPS = _define_ops()
-    except Exception:  # pragma: no cover - old torch / registration failure: the autograd.Function still works
-        HAS_CUSTOM_OPS = False
-
-    def _apply(result, lora, magnitude, norm, bias, base_delta, scale, eps, out_dtype, feature_dim=-1):
-        """Autograd-aware composition. Under ``torch.compile`` it is one custom op per direction (no graph break);
-        in eager mode the equivalent ``autograd.Function`` (lower dispatch overhead)."""
-        if HAS_CUSTOM_OPS and torch.compiler.is_compiling():
-            save_inner = bool(magnitude.requires_grad and torch.is_grad_enabled())
-            y, _ = torch.ops.fastdora.dora_compose_fwd(
-                result, lora, magnitude, norm, bias, base_delta, float(scale), float(eps), out_dtype, save_inner
-            )
-            return y
-        node = _native.NODE if _native.NODE is not None else _native.first_node(result)
-        if node is not None and base_delta is None and not _TRANSFORMS_ACTIVE():
-            # the C++ autograd node (fastdora.kernels.native); bias: never trainable here (dispatch sends that eager).
-            # discard: it saves a placeholder for inner (made in C++), as the Python node (_forward_into_ctx)
-            discard = magnitude.requires_grad and _ops.saves_discarded()
-            return node.compose(result, lora, magnitude, norm, bias, float(scale), float(eps), out_dtype, discard)
-        return _apply_function(result, lora, magnitude, norm, bias, base_delta, scale, eps, out_dtype, feature_dim)
-
-    def _apply_lora_b(result, h, lora_b, magnitude, norm, bias, scale, eps, out_dtype):
-        """``dora_compose_lora_b``'s autograd node on the kernel path (last feature dim, no ``base_delta``; its only
-        caller, which has returned already under ``torch.compile`` or without grad): the C++ node's ``compose_b``
-        where it is active (no functorch transforms), else None (the caller runs the Python node)."""
-        node = _native.NODE if _native.NODE is not None else _native.first_node(result)
-        if node is None or _TRANSFORMS_ACTIVE():
-            return None
-        discard = bool(magnitude.requires_grad) and _ops.saves_discarded()
-        return node.compose_b(result, h, lora_b, magnitude, norm, bias, float(scale), float(eps), out_dtype, discard)
-
-    _TRANSFORMS_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", None) or (lambda: True)
-    _DISPATCH_MODES = getattr(torch._C, "_len_torch_dispatch_stack", None)
-
-    def layer_node(x):
-        """The C++ node for a whole-layer call (``dispatch.layer_node``): active, no functorch transforms, no Python
-        dispatch mode (selective activation checkpointing matches the separate nodes' ops), a contiguous input of
-        at least two dims; None otherwise."""
-        node = _native.NODE if _native.NODE is not None else _native.first_node(x)
-        if (node is None or _TRANSFORMS_ACTIVE() or _DISPATCH_MODES is None or _DISPATCH_MODES()
-                or x.dim() < 2 or not x.is_contiguous()):
-            return None
-        return node
-
-    TRITON.apply = _apply
-    TRITON.apply_lora_b = _apply_lora_b

@@ -1,30 +1,36 @@
 """The composition's autograd node in C++ (``csrc/compose_node.cpp``): less host time per layer call.
 
-On the H200 the DoRA training step is host-bound (benchmarks/README.md, sessions 13-20): the GPU waits for the
-Python of the composition's autograd node -- its ``ctx``, the launch preparation, the backward's interpreter frames
-on the autograd thread. The C++ node runs the same kernels with the same arguments: the Python launchers
-(``fastdora.kernels.compose.compose_fwd`` / ``compose_bwd``) register, per problem key (shape, dtypes, flags,
-device), a *launch template* -- Triton's compiled launcher and its argument tuple with this key's constants, and
-which argument is which tensor role, the stream or a scalar -- and the node fills a template with a call's data
-pointers, stream and scalars and calls the compiled launcher, from C++. Whatever no template covers (a key's first
-call, unaligned pointers, a CUDA graph capture in the backward, Triton launch hooks) runs through those Python
-launchers, called from the node. Outputs and gradients are bitwise those of the Python node (same kernels, same
-configs; tests/test_native_node.py, tests/test_gpu_layers.py). ``compose_b`` is the same node with ``lora_B``'s
-product inside (``fuse_lora_b``): it replaces ``fastdora.ops.compose._DoraComposeLoraB``, bitwise. ``dora_linear``
-is a whole DoRA Linear layer (base product, ``lora_A``, ``lora_B``, composition) as one node (option ``layer_node``,
-called from ``fastdora.layers.lean_linear_forward`` through ``fastdora.dispatch.layer_node``): bitwise the separate
-nodes' results, three saved activations under gradient checkpointing instead of six saved tensors.
+A DoRA training step on the H200 is host-bound: the GPU waits for the Python of the composition's autograd node --
+its ``ctx``, the launch preparation, the backward's interpreter frames on the autograd thread. The C++ node runs the
+same kernels with the same arguments: the Python launchers (``fastdora.kernels.compose.compose_fwd`` /
+``compose_bwd``) register, per problem key (shape, dtypes, flags, device), a *launch template* -- Triton's compiled
+launcher and its argument tuple with this key's constants, and which argument is which tensor role, the stream or a
+scalar -- and the node fills a template with a call's data pointers, stream and scalars and calls the compiled
+launcher, from C++. Whatever no template covers (a key's first call, unaligned pointers, a CUDA graph capture in the
+backward, Triton launch hooks) runs through the Python fallbacks the ops layer registers
+(:func:`set_fallbacks`), called from the node. Outputs and gradients are bitwise those of the Python node (same
+kernels, same configs; tests/kernels/test_native_node.py). ``dora_linear`` is a whole DoRA Linear layer (base
+product, ``lora_A``, ``lora_B``, composition) as one node, called from ``fastdora.layers.lean_linear_forward``:
+bitwise the separate nodes' results, three saved activations under gradient checkpointing instead of six.
 
-Where the layout of a template's kernel parameters is known (``_native_layout``: Triton's ``CompiledKernel`` signature
-minus its constexprs, then the global and profile scratch pointers), the template also carries it and the node
-launches the kernel itself with the CUDA driver's ``cuLaunchKernel`` (same function, grid, block, shared memory and
-parameter bytes as Triton's launcher), without calling into Python per launch; ``FASTDORA_NATIVE_LAUNCH=0`` keeps
-the Triton launcher. ``launch_status()`` says which one runs.
+**Direct launch and the Triton boundary.** Where the layout of a template's kernel parameters is known
+(``_native_layout``: Triton's ``CompiledKernel`` signature minus its constexprs, then the global and profile scratch
+pointers), the template also carries it and the node launches the kernel itself with the CUDA driver's
+``cuLaunchKernel`` (same function, grid, block, shared memory and parameter bytes as Triton's launcher), without
+calling into Python per launch. That layout is Triton's launcher ABI, which is not a public interface, so the direct
+launch is taken only
+
+- on the Triton versions it was verified on (:data:`VERIFIED_TRITON`; any other version runs Triton's own launcher:
+  same kernels and results, more host time per launch, and ``launch_status()`` / the enable report say why),
+- after a one-time self-check at first use (:func:`_self_check`): a tiny composition forward and backward launched
+  directly must equal, bitwise, the same launches through Triton's launcher; otherwise a warning and Triton's
+  launcher from then on,
+- unless ``FASTDORA_NATIVE_LAUNCH=0``.
 
 The extension is compiled on first use with the C++ compiler against the installed torch's headers (no CUDA
-toolkit needed: the CUDA driver is opened at run time, or Triton's launcher runs) and cached in
-``FASTDORA_CACHE_DIR`` per source / torch / Python; ``FASTDORA_NATIVE`` (``auto`` | ``1`` | ``0``, read in
-``fastdora.config``) decides whether it is used. ``status()`` says whether it is active and, if not, why.
+toolkit needed: the CUDA driver is opened at run time) and cached in ``FASTDORA_CACHE_DIR`` per source / torch /
+Triton / Python; ``FASTDORA_NATIVE`` (``auto`` | ``1`` | ``0``) decides whether it is used. ``status()`` says whether
+it is active and, if not, why.
 """
 
 from __future__ import annotations
@@ -42,17 +48,21 @@ import sysconfig
 import tempfile
 import threading
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from .. import config as _config
 
 __all__ = ["node", "first_node", "status", "launch_status", "clear_templates", "register_fwd", "register_bwd",
-           "ROLES_FWD", "ROLES_BWD"]
+           "set_fallbacks", "direct_launch_refusal", "VERIFIED_TRITON", "ROLES_FWD", "ROLES_BWD"]
 
 _MODULE = "fastdora_compose_node"
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "compose_node.cpp")
+
+#: Triton releases (major.minor) whose launcher ABI the direct launch was verified on (the GPU tests and the
+#: model-level benchmark on the H200). Add a version only after those pass on it.
+VERIFIED_TRITON = ("3.6",)
 
 # template argument roles (the enum of compose_node.cpp)
 ROLES_FWD = ("result", "lora", "bias", "magnitude", "norm", "y", "inner")  # codes 0..6
@@ -64,6 +74,17 @@ _state: dict = {"module": None, "tried": False, "reason": "not requested yet (fi
                 "launch": "no node"}
 # the active C++ module once loaded and configured (module global: one lookup on the hot path); None otherwise
 NODE = None
+# (slow_fwd, slow_bwd): the Python compositions the node falls back to (set by fastdora.ops.compose)
+_FALLBACKS: Optional[tuple] = None
+
+
+def set_fallbacks(slow_fwd: Callable, slow_bwd: Callable) -> None:
+    """Register the Python forward / backward the node calls where no template covers a call:
+    ``slow_fwd(result, lora, magnitude, norm, bias, scale, eps, out_dtype, save_inner) -> (y, inner)`` and
+    ``slow_bwd(dy, magnitude, norm, scale, eps, inner, rd, ld, need_dm, need_dres, need_dlora, dm_from_y) ->
+    (d_result, d_lora, dm)`` (the ops layer's Triton path with its exact eager fallback)."""
+    global _FALLBACKS
+    _FALLBACKS = (slow_fwd, slow_bwd)
 
 
 def status() -> str:
@@ -77,10 +98,34 @@ def launch_status() -> str:
     return str(_state["launch"])
 
 
+def _triton_version() -> Optional[str]:
+    try:
+        import triton
+
+        return str(triton.__version__)
+    except Exception:  # pragma: no cover - no Triton: the node is not built (kernels/compose needs it)
+        return None
+
+
+def direct_launch_refusal(triton_version: Optional[str], setting: bool, cuda: bool) -> Optional[str]:
+    """Why the direct launch must not be used (None: it may, subject to the self-check)."""
+    if not setting:
+        return "FASTDORA_NATIVE_LAUNCH=0"
+    if not cuda:
+        return "no CUDA device"
+    if triton_version is None:
+        return "Triton's version is unknown"
+    major_minor = ".".join(triton_version.split("+")[0].split(".")[:2])
+    if major_minor not in VERIFIED_TRITON:
+        return (f"Triton {triton_version} is not among the versions the direct launch was verified on "
+                f"({', '.join(v + '.x' for v in VERIFIED_TRITON)})")
+    return None
+
+
 def _build_key(src: bytes) -> str:
     h = hashlib.sha256(src)
-    for part in (torch.__version__, sys.version, str(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", "")),
-                 sysconfig.get_config_var("EXT_SUFFIX") or ""):
+    for part in (torch.__version__, str(_triton_version()), sys.version,
+                 str(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", "")), sysconfig.get_config_var("EXT_SUFFIX") or ""):
         h.update(part.encode())
     return h.hexdigest()[:16]
 
@@ -117,7 +162,7 @@ def _import(path: str):
 
 
 def _load():
-    """Build (once per source / torch / Python) and import the extension; returns the module."""
+    """Build (once per source / torch / Triton / Python) and import the extension; returns the module."""
     with open(_SOURCE, "rb") as f:
         src = f.read()
     cache, cxx = _config.native_build_env()
@@ -130,33 +175,82 @@ def _load():
 
 
 def _configure(mod) -> None:
-    from ..ops import compose as _ops
     from . import _launch
     from . import compose as kc
 
-    def slow_fwd(result, lora, magnitude, norm, bias, scale, eps, out_dtype, save_inner):
-        return kc.compose_fwd(result, lora, magnitude, norm, scale, eps, bias, None, out_dtype, save_inner)
+    if _FALLBACKS is None:
+        raise RuntimeError("no Python fallbacks registered (fastdora.ops.compose sets them on import)")
+    mod.configure(*_FALLBACKS, _launch.capturing, _launch.hooks_active, kc._counters)
+    mod.set_native_launch(False)  # on only after the allow-list, the driver and the self-check (_decide_launch)
 
-    def slow_bwd(dy, magnitude, norm, scale, eps, inner, rd, ld, need_dm, need_dres, need_dlora, dm_from_y):
-        d_result, d_lora, _, dm, _ = kc.compose_bwd(dy, magnitude, norm, scale, eps, inner, False, rd, ld, None,
-                                                    need_dm, False, -1, need_dresult=need_dres,
-                                                    need_dlora=need_dlora, dm_from_y=dm_from_y)
-        return d_result, d_lora, dm
 
-    def lora_b_coefs(magnitude, norm, eps, scale, acc64, lora_b, lora_dtype, need_dh, need_db):
-        return _ops.lora_b_row_scales(magnitude, norm, eps, scale, torch.float64 if acc64 else torch.float32,
-                                      lora_b, lora_dtype, need_dh, need_db)
-
-    mod.configure(slow_fwd, slow_bwd, _launch.capturing, _launch.hooks_active, kc._counters, lora_b_coefs)
-    direct = _config.native_launch()
-    mod.set_native_launch(direct)
-    if not direct:
-        _state["launch"] = "Triton's launcher (FASTDORA_NATIVE_LAUNCH=0)"
-    elif not torch.cuda.is_available():
-        _state["launch"] = "Triton's launcher (no CUDA device)"
-    else:
+def _decide_launch(mod) -> None:
+    """Turn the direct launch on where it may run (:func:`direct_launch_refusal`, the CUDA driver, the self-check);
+    record why not otherwise. Runs once, right after the node is loaded."""
+    why = direct_launch_refusal(_triton_version(), _config.SETTINGS.native_launch, torch.cuda.is_available())
+    if why is None:
         why = mod.load_driver()
-        _state["launch"] = "direct" if why is None else f"Triton's launcher ({why})"
+    if why is None:
+        why = _self_check(mod)
+        if why is not None:
+            warnings.warn(f"fastdora: the C++ node's direct kernel launch failed its self-check ({why}); Triton's "
+                          "launcher runs instead (same results, more host time per launch)", RuntimeWarning,
+                          stacklevel=3)
+    _state["launch"] = "direct" if why is None else f"Triton's launcher ({why})"
+
+
+def _compare(direct: tuple, reference: tuple) -> Optional[str]:
+    """None where every direct-launch result equals the Triton-launcher result bitwise; else what differed."""
+    for name, a, b in zip(("y", "d_result", "d_lora", "dm"), direct, reference):
+        if a is None or b is None or a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
+            return f"{name} differs between the direct launch and Triton's launcher"
+    return None
+
+
+def _self_check(mod) -> Optional[str]:
+    """Launch a tiny composition forward and backward (bf16, 64 x 256) through Triton's launcher, then the same
+    through the node's direct launch, and compare bitwise; None if equal, else why not. Not during a CUDA graph
+    capture (no synchronisation possible there: the direct launch then stays off)."""
+    from . import _launch
+    from . import compose as kc
+
+    if _launch.capturing():
+        return "the self-check cannot run during a CUDA graph capture"
+    if torch.compiler.is_compiling():
+        return "the self-check cannot run while torch.compile traces"
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator().manual_seed(0)  # a generator of its own: the process's random streams stay untouched
+    M, N, bf16 = 64, 256, torch.bfloat16
+    scale, eps = 0.5, 1e-6
+    mod.set_native_launch(True)
+    try:
+        # real autograd even under inference mode / no_grad, and saved tensors that stay ours even if the first use
+        # happens inside a checkpointed forward (its saved-tensor hooks are below ours)
+        with torch.inference_mode(False), torch.enable_grad(), \
+                torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            result, lora, dy = (torch.randn(M, N, generator=gen).to(dev, bf16) for _ in range(3))
+            magnitude = (torch.rand(N, generator=gen) + 0.5).to(dev)
+            norm = (torch.rand(N, generator=gen) + 0.5).to(dev)
+            y_ref, inner = kc.compose_fwd(result, lora, magnitude, norm, scale, eps, None, None, bf16, True)
+            d_res_ref, d_lora_ref, _, dm_ref, _ = kc.compose_bwd(dy, magnitude, norm, scale, eps, inner, False, bf16,
+                                                                bf16, None, True, False)
+            r, lo, m = (t.clone().requires_grad_() for t in (result, lora, magnitude))
+            before = mod.stats()["native"]
+            y = mod.compose(r, lo, m, norm, None, scale, eps, bf16, False)
+            y.backward(dy)
+            torch.cuda.synchronize(dev)
+            launched = mod.stats()["native"] - before
+    except Exception as e:  # noqa: BLE001 - any failure: Triton's launcher, with the reason
+        mod.set_native_launch(False)
+        return f"{type(e).__name__}: {e}"
+    why = None
+    if launched < 2:
+        why = f"{launched} of 2 launches went direct"
+    else:
+        why = _compare((y.detach(), r.grad, lo.grad, m.grad), (y_ref, d_res_ref, d_lora_ref, dm_ref))
+    if why is not None:
+        mod.set_native_launch(False)
+    return why
 
 
 def node(required: Optional[bool] = None):
@@ -171,7 +265,7 @@ def node(required: Optional[bool] = None):
                 raise RuntimeError(f"fastdora: the C++ composition node is unavailable: {_state['reason']}")
             return NODE
         _state["tried"] = True
-        mode = _config.native_mode()
+        mode = _config.SETTINGS.native
         if required is None:
             required = mode == "1"
         if mode == "0" and not required:
@@ -181,7 +275,7 @@ def node(required: Optional[bool] = None):
 
         try:
             if not (kc._FWD.fast or kc._FWD.interpreted):
-                raise RuntimeError("this Triton's launcher is not supported by the direct launch path")
+                raise RuntimeError("this Triton's launcher is not supported by the template path")
             mod = _load()
             _configure(mod)
         except Exception as e:  # noqa: BLE001 - any build / import failure: the Python node, with the reason
@@ -195,6 +289,8 @@ def node(required: Optional[bool] = None):
         _state["module"] = mod
         _state["reason"] = "active"
         NODE = mod
+        kc.set_template_registrar(sys.modules[__name__])
+        _decide_launch(mod)
         return NODE
 
 
@@ -219,6 +315,9 @@ def reset() -> None:
     with _lock:
         clear_templates()
         NODE = None
+        from . import compose as kc
+
+        kc.set_template_registrar(None)
         _state.update(module=None, tried=False, reason="not requested yet (first CUDA training composition)",
                       launch="no node")
 
@@ -353,6 +452,8 @@ def _aligned(tensors) -> bool:
 
 def _register(direction, launcher, entry, grid, tensors, ints, floats, consts, launch_opts, named, dtypes, flags, M,
               N, n_parts=0, n_counters=0):
+    if NODE is None:  # registrations only while a node is active (NODE unset: the Python node runs)
+        return
     roles = _roles(tensors, named, 10 * direction)
     if roles is None or not _aligned(tensors) or (entry is None and not launcher.interpreted):
         return

@@ -15,12 +15,12 @@ no temporaries beyond the fp32 results:
    dtype (any strides: transposed views work), as the transposed tile ``A W^T`` (A's parts are wgmma's register
    operand). The K range is split when the grid has few tiles (k/v projections). The same programs compute the
    tiles of ``B G`` (its rank chunks dealt out over the K ranges) and write the quadratic term's partial sums
-   ``rowsum(B * (B G)_tile)`` too (``_QUAD_IN_U``). For bf16 W with fp32 A on Hopper or newer, where TMA can address W
-   (unit column stride, 16-byte aligned rows), the pre-split pass runs as ``_norm_u_tma_kernel`` instead (W and A's
-   parts loaded by the tensor-memory accelerator; B G from G's bf16 parts, which ``_g_sum_kernel`` writes next to
-   G). Run in K chunks (the parts buffer's size), every chunk adds its partial sums into the first chunk's rows.
+   ``rowsum(B * (B G)_tile)`` too (``Settings.norm_quad_in_u``). For bf16 W with fp32 A on Hopper or newer, where TMA
+   can address W (unit column stride, 16-byte aligned rows), the pre-split pass runs as ``_norm_u_tma_kernel`` instead
+   (W and A's parts loaded by the tensor-memory accelerator; B G from G's bf16 parts, which ``_g_sum_kernel`` writes
+   next to G). Run in K chunks (the parts buffer's size), every chunk adds its partial sums into the first chunk's rows.
 3. ``_norm_combine_kernel``: sums the partials in a fixed order, ``norm = sqrt(max(base + 2s*cross + s^2*quad, 0))``
-   (without ``_QUAD_IN_U`` it computes ``quad = rowsum((B G)*B)`` itself, in d_out / 32..64 programs).
+   (without ``Settings.norm_quad_in_u`` it computes ``quad = rowsum((B G)*B)`` itself, in d_out / 32..64 programs).
 
 Precision (everything accumulates in fp32; every path is run-to-run bitwise deterministic):
 - bf16 ``W`` with fp32 ``A``: ``A`` as ``hi + mid + lo`` (each bf16), three bf16 tensor-core products (``W`` is exact in
@@ -38,8 +38,9 @@ Precision (everything accumulates in fp32; every path is run-to-run bitwise dete
   to 2^-16 of the leading one), accumulation restarted every K block as above. ``B G`` (U pass) likewise: ``G`` as
   bf16 parts, ``B`` exact (bf16) or split, 3 or 6 products per rank chunk, restarted per chunk. Where the
   quadratic term dominates the norm, tf32x3 in G and B G measured 3.4x eager's error. All modes measured within 2x
-  eager's relative error (tests/test_kernels_gpu.py). In the combine kernel (``_QUAD_IN_U`` off) only a bf16 ``B``
-  uses the split by default (3 products, 8-28% faster than fp32 FMAs there); fp32 ``B`` uses fp32 FMAs.
+  eager's relative error (tests/kernels/test_kernels_gpu.py). In the combine kernel (``Settings.norm_quad_in_u`` off)
+  only a bf16 ``B`` uses the split by default (3 products, 8-28% faster than fp32 FMAs there); fp32 ``B`` uses fp32
+  FMAs.
 The working set is at most ``U``'s size (partial G's) + ``G`` + a few ``[d_out]`` vectors: no fp32 copy of ``W``, no
 ``[d_out, d_in]`` temporary.
 """
@@ -51,6 +52,7 @@ from typing import Optional
 
 import torch
 
+from ..config import SETTINGS as _S
 from . import _launch
 
 try:  # pragma: no cover
@@ -174,7 +176,8 @@ if AVAILABLE:
 
     @triton.jit
     def _split_parts_kernel(a_ptr, out_ptr, K, stride_ar, stride_ak, stride_part, BLOCK: tl.constexpr):
-        """out[p, row, :] = part p of A[row, :] as bf16 hi + mid + lo (out: contiguous [3, R, K]); grid (R, K blocks)."""
+        """out[p, row, :] = part p of A[row, :] as bf16 hi + mid + lo (out: contiguous [3, R, K]); grid (R, K
+        blocks)."""
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
         mask = offs < K
@@ -285,7 +288,8 @@ if AVAILABLE:
                         x_ptr + offs_o[:, None] * stride_xr + offs_k[None, :] * stride_xk,
                         mask=omask[:, None] & kmask[None, :], other=0.0,
                     )
-                    a_ptrs = a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak  # A^T: [BLOCK_K, BLOCK_R]
+                    # A^T: [BLOCK_K, BLOCK_R]
+                    a_ptrs = a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak
                     amask = rmask[None, :] & kmask[:, None]
                 a = tl.load(a_ptrs, mask=amask, other=0.0)
                 a_mid = a
@@ -314,7 +318,7 @@ if AVAILABLE:
             # rank chunks of B G are dealt out over the K-range programs (chunk i to program i mod ranges, the others
             # write zeros); each chunk's products start from zero (restarted, as in the main loop) and are added in
             # fp32. (QBLOCK 64 measured 8.1e-8 relative norm error where the quadratic term dominates, QBLOCK 32 7.3e-8,
-            # eager 3.2e-8: results/h200_2026-11-30_s14/call3 and results/h200_2026-12-01_s15/call1.)
+            # eager 3.2e-8, on the H200.)
             nsplit = tl.num_programs(1)
             qacc = fresh
             for q0 in range(split * QBLOCK, R, nsplit * QBLOCK):
@@ -323,12 +327,12 @@ if AVAILABLE:
                 if TRANS:
                     gq = tl.load(g_ptr + offs_q[None, :] * R + offs_r[:, None],  # (G[q, r])^T: [BLOCK_R, BLOCK_K]
                                  mask=rmask[:, None] & qmask[None, :], other=0.0)
-                    bq = tl.load(b_ptr + offs_o[None, :] * stride_bo + offs_q[:, None] * stride_br,  # [BLOCK_K, BLOCK_O]
+                    bq = tl.load(b_ptr + offs_o[None, :] * stride_bo + offs_q[:, None] * stride_br,  # [BK, BLOCK_O]
                                  mask=qmask[:, None] & omask[None, :], other=0.0)
                 else:
                     gq = tl.load(g_ptr + offs_q[:, None] * R + offs_r[None, :],  # G[q, r]: [BLOCK_K, BLOCK_R]
                                  mask=qmask[:, None] & rmask[None, :], other=0.0)
-                    bq = tl.load(b_ptr + offs_o[:, None] * stride_bo + offs_q[None, :] * stride_br,  # [BLOCK_O, BLOCK_K]
+                    bq = tl.load(b_ptr + offs_o[:, None] * stride_bo + offs_q[None, :] * stride_br,  # [BLOCK_O, BK]
                                  mask=omask[:, None] & qmask[None, :], other=0.0)
                 qacc += _quad_dots(bq, gq, fresh, TRANS, B_PARTS, UPCAST)
         if CROSS:
@@ -575,122 +579,72 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
-# benchmarks/kernels_bench.py may set these to sweep configurations: {mode or "G": (BLOCK_O, BLOCK_R, BLOCK_K, warps,
-# stages[, trans])}; {"G": split count of G = A A^T}
-_CONFIG_OVERRIDE: dict = {}
-_SPLIT_OVERRIDE: dict = {}
-# U = W A^T as the transposed tile A @ W^T (split A parts as wgmma's register operand), per dot mode. Measured on
-# the H200 (benchmarks/results/h200x2_2026-11-30_s10/norm_variants.json, Qwen3-8B shapes, r=384): split mode
-# 128x128x32 (8 warps, 4 stages) transposed 0.13 / 0.13 / 0.38 / 0.37 ms vs 0.23 / 0.23 / 0.46 / 0.68 ms in row tiles
-# for 4096x4096 / 1024x4096 / 12288x4096 / 4096x12288, same error (1.4e-7 .. 2.2e-7). (Transposed tiles with
-# BLOCK_K = 64 then gave ~1e-3 relative errors on Triton 3.6, with the accumulation chained; restarted every K block
-# they measure fine, see _ONE_CFG.) fp32 mode gains < 7%: row tiles kept.
+# Plan constants of the factored norm. The alternatives that config.Settings can select (norm_* fields) are
+# documented there and in docs/ARCHITECTURE.md; all figures below were measured on the H200 (Triton 3.6, Qwen3-8B
+# module shapes at r=384: 4096x4096 / 1024x4096 / 12288x4096 / 4096x12288; kernels_bench.py --sections norm).
+#
+# U = W A^T as the transposed tile A @ W^T (split A parts as wgmma's register operand), per dot mode: split mode
+# 128x128x32 (8 warps, 4 stages) transposed 0.13 / 0.13 / 0.38 / 0.37 ms vs 0.23 / 0.23 / 0.46 / 0.68 ms in row
+# tiles, same error (1.4e-7 .. 2.2e-7); fp32 mode gains < 7%: row tiles kept.
 _TRANS = {_MODE_SPLIT: True, _MODE_FP32: False}
-# Products per K block in the split mode (bf16 W, fp32 A): 3 = hi + mid + lo (fp32-level). Benchmarks may set 2.
-_SPLIT_PARTS = 3
-# W and A in the same half dtype: one tensor-core product of the exact operands (True), or fp32 operands with tf32x3
-# (False). Measured on the H200 (benchmarks/results/h200x2_2026-11-30_s11/norm_modes_call2.json, Qwen3-8B shapes,
-# r=384, bf16): with the accumulation restarted every K block 0.13-0.32 ms vs 0.28-0.71 ms, relative norm error
-# 5.1e-8 .. 5.4e-8 (tf32x3 5.3e-8 .. 5.6e-8, eager 3.8e-8 .. 4.6e-8); chained over the K range instead, 5.5e-5 ..
-# 3e-4 and not run-to-run deterministic (so never chained, see _ACC_DEFAULT)
-_ONE_PRODUCT_HALF = True
 _HALF = (torch.bfloat16, torch.float16)
 _TRANS_SPLIT_CFG = (128, 128, 32, 8, 4, True)
-# bf16 W with fp32 A: A split into its bf16 parts once per norm ([3, r, d_in] bf16, _split_parts_kernel) and the U
-# pass loading the parts (_MODE_PRESPLIT, row tiles W @ parts^T with both operands from shared memory), instead of
-# every U program splitting its fp32 A tiles in registers (_MODE_SPLIT). The parts take 6 r d_in bytes: where that
-# would take the norm's working set over _WORKSET_PLAN x the bytes of fp32 U and G, A is split and the U pass run in
-# K chunks (_presplit_chunk), at most _PRESPLIT_MAX_CHUNKS; beyond that (Qwen3-8B's k/v projections at r=384), the
-# split stays in registers. Measured on the H200 (results/h200_2026-12-01_s15/call2/norm_modes.json, whole norm,
-# kernels only): 4096x4096 0.195 -> 0.162 ms (2 chunks), 12288x4096 0.453 -> 0.346 ms, same error. Since every chunk
-# adds its partial sums into the same rows (session 17), the down projection (4096x12288) fits in 6 chunks of 2048:
-# 0.426 -> 0.395 ms with pointer loads, 0.377 on TMA (results/h200_2026-12-01_s17/call3/u_tma_norm.json).
-_PRESPLIT = True
+# Pre-split U pass (bf16 W, fp32 A; Settings.norm_presplit): A's parts take 6 r d_in bytes; where that would take the
+# norm's working set over Settings.norm_workset_plan x the bytes of fp32 U and G, A is split and the U pass run in K
+# chunks (_presplit_chunk), at most _PRESPLIT_MAX_CHUNKS; beyond that (k/v projections at r=384) the split stays in
+# registers. Whole norm, kernels only: 4096x4096 0.195 -> 0.162 ms (2 chunks), 12288x4096 0.453 -> 0.346 ms, the
+# down projection (6 chunks of 2048) 0.426 -> 0.395 ms with pointer loads, 0.377 on TMA; same error.
 _PRESPLIT_CFG = (128, 128, 64, 8, 3, False)
 _PRESPLIT_MAX_CHUNKS = 6
-# working-set limit of the norm, in multiples of the bytes of fp32 U = W A^T and G = A A^T (issue 3), and what the
-# chunk sizing plans for: the caching allocator may hand out a cached block larger than a request (on the H200 a plan
-# at 1.22x peaked at 1.37x in tests/test_kernels_gpu.py::test_norm_working_set_gpu), so the plan keeps 0.25x slack
+# working-set limit of the norm, in multiples of the bytes of fp32 U = W A^T and G = A A^T, and what the chunk
+# sizing plans for: the caching allocator may hand out a cached block larger than a request (on the H200 a plan at
+# 1.22x peaked at 1.37x in the GPU working-set test), so the plan keeps 0.25x slack
 _WORKSET_LIMIT = 1.25
-_WORKSET_PLAN = 1.0
-# rank-chunk depth of B G in the U pass (independent of the U tile's BLOCK_K)
+# rank-chunk depth of B G in the U pass (independent of the U tile's BLOCK_K): 64-deep chunks (six products each)
+# measured 8.1e-8 relative norm error where the quadratic term dominates, over the 2x-eager envelope (eager 3.2e-8);
+# 32-deep chunks 7.3e-8
 _QUAD_BLOCK = 32
-# W and A in the same half dtype (one product per K block): 64-deep K blocks, 3 stages. Measured on the H200
-# (results/h200_2026-11-30_s14/, calls 2 and 3; also session 12's run), Qwen3-8B shapes at r=384, 4096x4096 /
-# 1024x4096 / 12288x4096 / 4096x12288, kernels-only (CUDA graph) ms of the whole bf16 norm: 0.096 / 0.065 / 0.187 /
-# 0.171 vs 0.104 / 0.066 / 0.209 / 0.191 with _TRANS_SPLIT_CFG, same error. Not for the split mode (fp32 A, AMP):
-# 2-5% faster there, but its 64-deep rank chunks of B G (six products each) measured 8.1e-8 relative norm error where
-# the quadratic term dominates, over the 2x-eager envelope (eager 3.2e-8; call 3, test_norm_quadratic_dominant_gpu),
-# where the 32-deep chunks pass (call 2). (Session 10 saw ~1e-3 errors with 64-deep transposed tiles on Triton 3.6,
-# with the accumulation chained; restarted every K block they measure fine.) Row tiles chained: see _ACC_DEFAULT.
+# W and A in the same half dtype (one product per K block): 64-deep K blocks, 3 stages: kernels-only ms of the whole
+# bf16 norm 0.096 / 0.065 / 0.187 / 0.171 vs 0.104 / 0.066 / 0.209 / 0.191 with _TRANS_SPLIT_CFG, same error. Not
+# for the split mode (fp32 A, AMP): 2-5% faster there, but its B G chunks would exceed the error envelope (above).
 _ONE_CFG = (128, 128, 64, 8, 3, True)
-# G = A A^T tiles, from benchmarks/results/h200x2_2026-11-30_s11/norm_modes.json (Qwen3-8B A's at r=384, tf32x3):
-# 64x64x32 transposed tiles split ~16 ways over d_in: 0.035 ms (d_in 4096) / 0.072 ms (12288) vs 0.066 / 0.17 ms for
-# the 32x32x64 row tiles used before, same or lower error
+# G = A A^T tiles (A's at r=384): 64x64x32 transposed tiles split ~16 ways over d_in: 0.035 ms (d_in 4096) / 0.072 ms
+# (12288) vs 0.066 / 0.17 ms for 32x32x64 row tiles, same or lower error
 _G_CFG = (64, 64, 32, 4, 3, True)
-# G = A A^T from the tiles on and above the diagonal only, each off-diagonal one also stored mirrored (True), or from
-# all tiles (False)
-_G_SYM = True
-# Products of G = A A^T for an fp32 A: "split" (both operands as bf16 hi + mid + lo, six tensor-core products,
-# _MODE_SPLIT2), "ieee" (fp32 FMAs) or "tf32x3"; and of B G in the combine kernel: "split" (G as bf16 hi + mid + lo,
-# B exact in bf16 or split too: 3 or 6 tensor-core products per rank chunk), "ieee" or "tf32x3". Both are
-# small (r^2 d_in and d_out r^2 multiply-adds) but set the error floor where the quadratic term dominates the norm
-# (large s B A): tf32x3 measured 1.3e-7 .. 1.4e-7 relative error there vs eager's 4e-8
-# (benchmarks/results/h200x2_2026-11-30_s11/gpu_tests_call3.log); "ieee" G costs 0.1-0.25 ms per Qwen3-8B module at
-# r=384 (the AMP norm's "tf32x3 G,BG" column in norm_modes_call4_summary.txt)
-_G_PREC = "split"
-# B G in the combine kernel: _COMBINE_PREC for a bf16 B (exact operand: 3 products), _COMBINE_PREC_WIDE_B for fp32 /
-# fp16 B. Measured (results/h200_2026-11-30_s12/norm_modes_bg.json, Qwen3-8B shapes r=384, GPU norm tests passed
-# either way): bf16 B, split vs fp32 FMAs 0.119 / 0.094 / 0.230 / 0.207 ms vs 0.136 / 0.112 / 0.319 / 0.225 ms, error
-# 4.3e-8 .. 4.6e-8 vs 3.7e-8 .. 4.0e-8 (eager 3.8e-8 .. 4.6e-8); fp32 B (AMP), 6 products: no faster (0.239 / 0.198 /
-# 0.479 / 0.474 vs 0.227 / 0.186 / 0.510 / 0.464 ms) and 4.4e-8 .. 4.6e-8 vs 3.7e-8 .. 4.0e-8, so fp32 FMAs stay
-_COMBINE_PREC = "split"
-_COMBINE_PREC_WIDE_B = "ieee"
-# Where B G is computed: in the U pass (True: each U program also computes its tile of B G, G as bf16 hi + mid + lo
-# and B exact (bf16) or split, 3 or 6 tensor-core products per rank chunk, the rank chunks dealt out over the K-range
-# programs, and writes the quadratic term's partial sums next to the cross term's), or in the combine kernel (False,
-# with _COMBINE_PREC / _COMBINE_PREC_WIDE_B), whose grid has only d_out / 32..64 programs (32 for a k/v projection).
-_QUAD_IN_U = True
 # Accumulation: (K blocks per loop iteration, chained). Chained: the tensor cores accumulate over the whole K range;
 # not chained: each iteration's products start from zero and are added to the running sum with fp32 adds (see
-# _norm_gram_kernel). Default for every mode: restarted every K block. Measured (norm_modes_call2.json): chained one
-# bf16 product on transposed tiles gave 5.5e-5 .. 3e-4 error and differed between runs; restarted, 5.1e-8 .. 5.4e-8,
-# bitwise reproducible. Session 16 (results/h200_2026-12-01_s16/, calls 2 and 3) chained row tiles (both operands
-# from shared memory): bitwise reproducible and 8-13% faster (pre-split U 4096x4096 0.145 vs 0.159 ms, 12288x4096 0.298
-# vs 0.342; one product 0.164 vs 0.189 at 12288x4096), but the tensor cores' accumulation loses precision over the
-# chain: G = A A^T chained measured 2.2e-5 relative error over 128 K blocks, 9.6e-7 over 4 (restarted 1.6e-7 /
-# 1.0e-7), and 15 norm GPU tests failed their 2x-eager envelope with the U pass chained (call 3). So never chained.
+# _norm_gram_kernel). Always restarted by default: chaining one bf16 product on transposed tiles gave 5.5e-5 .. 3e-4
+# error and differed between runs (restarted: 5.1e-8 .. 5.4e-8, bitwise reproducible); chained row tiles were
+# reproducible and 8-13% faster but lost precision with the chain's length (G over 128 K blocks: 2.2e-5 relative
+# error, over 4: 9.6e-7; restarted 1.6e-7 / 1.0e-7). Settings.norm_acc overrides it per config key.
 _ACC_DEFAULT = (1, False)
-# benchmarks may override it per config key (mode, "one", "G", "G1")
-_ACC_OVERRIDE: dict = {}
 
 
 def _mode_of(x: torch.Tensor, a: torch.Tensor, gram_of_a: bool) -> tuple[int, int]:
     """(dot mode, products per K block) for X A^T."""
     if x.dtype == torch.bfloat16 and a.dtype == torch.float32 and not gram_of_a:
-        return (_MODE_PRESPLIT if _PRESPLIT else _MODE_SPLIT), _SPLIT_PARTS
-    if gram_of_a and a.dtype == torch.float32 and _G_PREC == "split":
+        return (_MODE_PRESPLIT if _S.norm_presplit else _MODE_SPLIT), _S.norm_split_parts
+    if gram_of_a and a.dtype == torch.float32 and _S.norm_g_prec == "split":
         return _MODE_SPLIT2, 3
-    if _ONE_PRODUCT_HALF and x.dtype == a.dtype and x.dtype in _HALF:
+    if _S.norm_one_product_half and x.dtype == a.dtype and x.dtype in _HALF:
         # both operands exact in the same half dtype: one tensor-core product (A as the register operand)
         return _MODE_SPLIT, 1
-    # fp32 operands (half-precision tiles upcast in registers) with tf32x3. Measured on the H200
-    # (benchmarks/results/kernels_h200_run{1,2,3}.json, tests/test_kernels_gpu.py): a single bf16 or tf32
-    # tensor-core product accumulated over d_in gave ~1e-5 relative norm error even on exactly representable
-    # operands, tf32x3 and the bf16 hi/mid/lo split stay at fp32 level (~1e-7). Re-measured in session 10 for
-    # bf16/fp16 W and A (benchmarks/results/h200x2_2026-11-30_s10/gpu_tests_half_direct.log): one half-precision
-    # product per K block is 6.6x faster (0.144 vs 0.95 ms at 8192x8192 r=384) but had 3e-5..7e-5 relative norm
-    # error vs eager 4e-8..7e-8; session 11 (norm_modes.json) traced that error to the length of the tensor cores'
-    # accumulation chain (G's error fell 60x from 1 to 32 K splits).
+    # fp32 operands (half-precision tiles upcast in registers) with tf32x3. Measured on the H200 (kernels_bench.py,
+    # the GPU norm tests): a single bf16 or tf32 tensor-core product accumulated over d_in gave ~1e-5 relative norm
+    # error even on exactly representable operands, tf32x3 and the bf16 hi/mid/lo split stay at fp32 level (~1e-7).
+    # For bf16/fp16 W and A one half-precision product per K block is 6.6x faster (0.144 vs 0.95 ms at 8192x8192
+    # r=384); its error (3e-5..7e-5 when the tensor cores' accumulation is chained over d_in, vs eager 4e-8..7e-8)
+    # comes from the length of that chain (G's error fell 60x from 1 to 32 K splits), so it runs restarted every K
+    # block (_ACC_DEFAULT).
     return _MODE_FP32, 3
 
 
 def _fp32_prec(gram_of_a: bool) -> str:
-    """input_precision of the fp32-operand dots (_MODE_FP32): tf32x3 for U = W A^T; _G_PREC for G ("split" runs
-    _MODE_SPLIT2 for an fp32 A, so fp32 FMAs remain only for half-precision A's without _ONE_PRODUCT_HALF)."""
+    """input_precision of the fp32-operand dots (_MODE_FP32): tf32x3 for U = W A^T; _S.norm_g_prec for G ("split" runs
+    _MODE_SPLIT2 for an fp32 A, so fp32 FMAs remain only for half-precision A's without _S.norm_one_product_half)."""
     if not gram_of_a:
         return "tf32x3"
-    return "ieee" if _G_PREC == "split" else _G_PREC
+    return "ieee" if _S.norm_g_prec == "split" else _S.norm_g_prec
 
 
 def _config_key(mode: int, nparts: int, gram_of_a: bool):
@@ -700,12 +654,12 @@ def _config_key(mode: int, nparts: int, gram_of_a: bool):
 
 
 def _gram_config(rows: int, R: int, device: torch.device, mode: int, gram_of_a: bool, nparts: int = 3):
-    """(BLOCK_O, BLOCK_R, BLOCK_K, warps, stages, trans), from the sweep in benchmarks/results/kernels_h200_run2.json
-    ("norm_sweep", 8192x8192): large row tiles win as long as the grid still covers about half the SMs (split mode
+    """(BLOCK_O, BLOCK_R, BLOCK_K, warps, stages, trans), from kernels_bench.py's norm sweep on the H200 (8192x8192):
+    large row tiles win as long as the grid still covers about half the SMs (split mode
     256x128x64: 0.45 ms vs 0.81 ms for 64x128x64; fp32 mode 128x128x32: 1.26 ms vs 1.35 ms)."""
     key = _config_key(mode, nparts, gram_of_a)
-    if key in _CONFIG_OVERRIDE:
-        cfg = tuple(_CONFIG_OVERRIDE[key])
+    if key in _S.norm_config:
+        cfg = tuple(_S.norm_config[key])
         return cfg if len(cfg) == 6 else cfg + (False,)
     if gram_of_a:  # G = A A^T: r x r outputs only (and split over K, see _g_split)
         b = min(_G_CFG[0], max(16, _next_pow2(R)))
@@ -733,42 +687,41 @@ def _gram_config(rows: int, R: int, device: torch.device, mode: int, gram_of_a: 
 def _g_split(R: int, K: int, capacity: int, device: torch.device) -> int:
     """Programs over K for G = A A^T. G has only (r/64)^2 tiles (36 at r=384, 21 of them on or above the diagonal),
     each a long, latency-bound loop over d_in: split K so that about 2 programs per SM run, each at least 2 K blocks
-    long, with the partial G's (packed upper-triangle tiles with ``_G_SYM``) fitting in ``capacity`` fp32 elements
-    (the size of the U = W A^T the norm never stores: the working set stays below U + G). Measured on the H200
-    (results/h200_2026-12-01_s16/call3/norm_chained.json, the G pass alone at r=384, d_in 4096 / 12288, fp32 A): 12-16
-    ranges 0.031 / 0.057-0.059 ms, 24-32 ranges 0.038-0.041 / 0.065-0.066 ms, 4 ranges 0.044 / 0.11 ms."""
+    long, with the partial G's (packed upper-triangle tiles with ``Settings.norm_g_sym``) fitting in ``capacity`` fp32
+    elements (the size of the U = W A^T the norm never stores: the working set stays below U + G). Measured on the
+    H200 (the G pass alone at r=384, d_in 4096 / 12288, fp32 A): 12-16 ranges 0.031 / 0.057-0.059 ms, 24-32 ranges
+    0.038-0.041 / 0.065-0.066 ms, 4 ranges 0.044 / 0.11 ms."""
     b, _, block_k = _gram_config(R, R, device, _MODE_FP32, True)[:3]
     tiles = _g_tiles(_launch.cdiv(R, b))
     per_split = tiles * b * b if _g_packed(R, b) else R * R  # one K range's partial G
-    if "G" in _SPLIT_OVERRIDE:
-        return max(1, min(int(_SPLIT_OVERRIDE["G"]), capacity // per_split))
+    if "G" in _S.norm_split:
+        return max(1, min(int(_S.norm_split["G"]), capacity // per_split))
     want = _launch.cdiv(2 * _num_sms(device), tiles)
     return max(1, min(want, K // (2 * block_k), capacity // per_split, 64))
 
 
 def _g_packed(R: int, b: int) -> bool:
-    """Partial G's as packed upper-triangle b x b tiles (``_G_SYM``, where that takes less space than R x R)."""
-    return _G_SYM and _g_tiles(_launch.cdiv(R, b)) * b * b < R * R
+    """Partial G's as packed upper-triangle b x b tiles (``Settings.norm_g_sym``, where that takes less space than R x
+    R)."""
+    return _S.norm_g_sym and _g_tiles(_launch.cdiv(R, b)) * b * b < R * R
 
 
 def _g_tiles(n: int) -> int:
-    """Programs per K range of G = A A^T over ``n`` x ``n`` tiles: the upper triangle with ``_G_SYM``."""
-    return n * (n + 1) // 2 if _G_SYM else n * n
+    """Programs per K range of G = A A^T over ``n`` x ``n`` tiles: the upper triangle with ``Settings.norm_g_sym``."""
+    return n * (n + 1) // 2 if _S.norm_g_sym else n * n
 
 
 def _u_split(rows: int, R: int, K: int, cfg: tuple, device: torch.device) -> int:
     """Programs over K for the U = W A^T pass, whose partial results are only [rows] vectors (the cross term's
     partial sums): enough programs for ~6 per SM on shapes with few output tiles (Qwen3-8B's k/v projections have 24
-    at 128x128), at most 8 ranges of at least 512 columns of W. From norm_modes.json's U split timings (partial U's +
-    a sum there: 1024x4096 0.131 -> 0.038 ms with 8 ranges, 4096x12288 0.385 -> 0.241, 4096x4096 0.132 -> 0.100).
-    Grids of at most half as many tiles as SMs get one wave (SMs // tiles ranges): 1024x4096 at r=384 (24 tiles), 5
-    ranges, measured 0.122 / 0.091 ms vs 0.134 / 0.102 ms with 8 (AMP; results/h200_2026-12-01_s16/call1 and call3).
-    Fewer, longer ranges measured faster for the 96-tile grids of one-chunk passes (bf16 4096x4096: 0.086 ms at 4
-    ranges vs 0.100 at 8, results/h200_2026-12-01_s17/call5/norm_usplit.json), but a rule that picked them
-    (session 17, call 6) took the fp32 ||W||^2 partial sums of 2048x8192 (r=64) over 2x eager's error: longer K
-    ranges are longer fp32 sums. Not changed."""
-    if "U" in _SPLIT_OVERRIDE:
-        return max(1, int(_SPLIT_OVERRIDE["U"]))
+    at 128x128), at most 8 ranges of at least 512 columns of W. Measured on the H200 (U split timings, partial U's +
+    a sum: 1024x4096 0.131 -> 0.038 ms with 8 ranges, 4096x12288 0.385 -> 0.241, 4096x4096 0.132 -> 0.100). Grids of
+    at most half as many tiles as SMs get one wave (SMs // tiles ranges): 1024x4096 at r=384 (24 tiles), 5 ranges,
+    0.122 / 0.091 ms vs 0.134 / 0.102 ms with 8 (AMP). Fewer, longer ranges measured faster for the 96-tile grids of
+    one-chunk passes (bf16 4096x4096: 0.086 ms at 4 ranges vs 0.100 at 8), but a rule that picked them took the fp32
+    ||W||^2 partial sums of 2048x8192 (r=64) over 2x eager's error: longer K ranges are longer fp32 sums."""
+    if "U" in _S.norm_split:
+        return max(1, int(_S.norm_split["U"]))
     tiles = _launch.cdiv(rows, cfg[0]) * _launch.cdiv(R, cfg[1])
     sms = _num_sms(device)
     want = sms // tiles if 2 * tiles <= sms else _launch.cdiv(6 * sms, tiles)
@@ -812,10 +765,11 @@ def _gram(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, base: Optional[to
     ``[R, R]``): ``out`` is ``[2 * split * n_r, rows]``, the quadratic term's partial sums ``rowsum(b * (b @ g))``
     (rank chunks dealt out over the K ranges) in rows ``[used ranges * n_r, 2 * used ranges * n_r)``, or in
     ``quad_out``'s first rows when given. ``accum`` (cross term): add the cross term's (and base's) partial sums to
-    the values in those rows (a later K chunk of the pre-split U pass). ``packed`` (G = A A^T with ``_G_SYM``):
-    ``out`` is ``[split, tiles * b * b]`` and receives the upper-triangle tiles whole, for ``_g_sum_kernel``.
-    ``_MODE_PRESPLIT`` with the cross term runs on the tensor-memory accelerator (``_norm_u_tma_kernel``) where
-    :func:`_tma_ok` allows it; with ``g``, that kernel reads G's bf16 parts ``gparts`` (``[3, R, R]``)."""
+    the values in those rows (a later K chunk of the pre-split U pass). ``packed`` (G = A A^T with
+    ``Settings.norm_g_sym``): ``out`` is ``[split, tiles * b * b]`` and receives the upper-triangle tiles whole, for
+    ``_g_sum_kernel``. ``_MODE_PRESPLIT`` with the cross term runs on the tensor-memory accelerator
+    (``_norm_u_tma_kernel``) where :func:`_tma_ok` allows it; with ``g``, that kernel reads G's bf16 parts ``gparts``
+    (``[3, R, R]``)."""
     rows, K = x.shape
     mode, nparts, cfg = plan if plan is not None else _gram_plan(x, a, gram_of_a)
     if (a.dim() == 3) != (mode == _MODE_PRESPLIT):
@@ -827,11 +781,11 @@ def _gram(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, base: Optional[to
     stride_ap, a = (a.stride(0), a[0]) if mode == _MODE_PRESPLIT else (0, a)
     R = a.shape[0]
     block_o, block_r, block_k, warps, stages, trans = cfg
-    group, chain = _ACC_OVERRIDE.get(_config_key(mode, nparts, gram_of_a), _ACC_DEFAULT)
+    group, chain = _S.norm_acc.get(_config_key(mode, nparts, gram_of_a), _ACC_DEFAULT)
     k_split, split = _k_ranges(K, split, block_k)
-    sym = gram_of_a and _G_SYM and not cross and block_o == block_r
+    sym = gram_of_a and _S.norm_g_sym and not cross and block_o == block_r
     if packed and not sym:
-        raise ValueError("fastdora: packed partial G's need _G_SYM and square G tiles")
+        raise ValueError("fastdora: packed partial G's need _S.norm_g_sym and square G tiles")
     n_tiles = _g_tiles(_launch.cdiv(R, block_r)) if sym else _launch.cdiv(rows, block_o) * _launch.cdiv(R, block_r)
     grid = (n_tiles, split)
     quad = cross and g is not None
@@ -859,13 +813,10 @@ def _quad_rows(out: torch.Tensor, quad_out: Optional[torch.Tensor], used: int, n
     return quad_out if quad_out is not None else out[used * n_r:]
 
 
-# Pre-split U pass on the tensor-memory accelerator (_norm_u_tma_kernel): measured on the H200
-# (results/h200_2026-12-01_s17/, calls 1-3, Qwen3-8B shapes at r=384, bitwise the same cross-term partial sums as the
-# pointer loads): U pass 4-7% faster at every shape and K split; whole AMP norm 4096x4096 0.161 -> 0.152 ms, 12288x4096
-# 0.345 -> 0.313 (with G's parts split once), warp specialisation and persistent grids no faster.
-_TMA = True
-# CPU tensors (Triton's interpreter) take the TMA kernel only when a test sets this
-_TMA_INTERPRET = False
+# Pre-split U pass on the tensor-memory accelerator (_norm_u_tma_kernel; Settings.norm_tma): measured on the H200
+# (Qwen3-8B shapes at r=384, bitwise the same cross-term partial sums as the pointer loads): U pass 4-7% faster at
+# every shape and K split; whole AMP norm 4096x4096 0.161 -> 0.152 ms, 12288x4096 0.345 -> 0.313 (with G's parts
+# split once); warp specialisation and persistent grids no faster.
 try:  # pragma: no cover - depends on the installed Triton
     from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
 except Exception:  # pragma: no cover
@@ -885,9 +836,9 @@ def _tma_2d(t: torch.Tensor) -> bool:
 
 def _tma_enabled(x: torch.Tensor) -> bool:
     """TMA loads for tensors on ``x``'s device: a Hopper or newer GPU (CPU: the interpreter, when tests ask)."""
-    if not _TMA or _TensorDescriptor is None:
+    if not _S.norm_tma or _TensorDescriptor is None:
         return False
-    return _tma_device(x.device) if x.is_cuda else _TMA_INTERPRET
+    return _tma_device(x.device) if x.is_cuda else _S.norm_tma_interpret
 
 
 def _tma_ok(x: torch.Tensor, parts: torch.Tensor) -> bool:
@@ -966,10 +917,10 @@ def _split_parts(A: torch.Tensor, nparts: int, parts: Optional[torch.Tensor] = N
 def _presplit_chunk(d_out: int, d_in: int, r: int, cfg: tuple, device: torch.device) -> int:
     """Columns of W per U launch in _MODE_PRESPLIT (a multiple of 512; ``d_in`` itself when everything fits): the
     parts buffer ``[3, r, chunk]`` bf16, the U pass's partial sums (every chunk adds into the first chunk's rows), G
-    and its bf16 parts, the results and the base row norms stay within ``_WORKSET_PLAN`` x the bytes of fp32 U and G
-    (``_WORKSET_LIMIT`` less the allocator's slack). 0: more than ``_PRESPLIT_MAX_CHUNKS`` chunks would be needed
-    (split A in registers instead)."""
-    limit = _WORKSET_PLAN * 4 * (d_out * r + r * r)
+    and its bf16 parts, the results and the base row norms stay within ``Settings.norm_workset_plan`` x the bytes of
+    fp32 U and G (``_WORKSET_LIMIT`` less the allocator's slack). 0: more than ``_PRESPLIT_MAX_CHUNKS`` chunks would be
+    needed (split A in registers instead)."""
+    limit = _S.norm_workset_plan * 4 * (d_out * r + r * r)
     n_r = _launch.cdiv(r, cfg[1])
     for n in range(1, _PRESPLIT_MAX_CHUNKS + 1):
         kc = d_in if n == 1 else _launch.cdiv(_launch.cdiv(d_in, n), 512) * 512
@@ -993,14 +944,13 @@ def factored_norm_triton(
     budget_bytes: int = 16 << 20,
     out: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``(norm, base_sq)``, both fp32 ``[d_out]``. ``budget_bytes`` is accepted for interface parity with
+    """Returns ``(norm, base_sq)``, both fp32 ``[d_out]``, for tensors :func:`supports` accepts (the caller runs the
+    eager norm otherwise). ``budget_bytes`` is accepted for interface parity with
     the eager path; the kernels never allocate more than ``U``'s size (partial G's; U itself is never stored), ``G``
     and a few ``[d_out]`` vectors (the cross term's and ``||W||^2``'s partial sums, the results). ``out``: a
     contiguous fp32 ``[d_out]`` tensor on the weight's device to write the norm into (CUDA-graph capture)."""
     if not supports(weight, lora_A, lora_B):
-        from ..ops.norm import factored_norm_eager
-
-        return factored_norm_eager(weight, lora_A, lora_B, scale, base_sq, budget_bytes)
+        raise ValueError("fastdora: the Triton norm does not support these tensors (check supports() first)")
     d_out, d_in = weight.shape
     r = lora_A.shape[0]
     dev = weight.device
@@ -1020,7 +970,7 @@ def factored_norm_triton(
                 mode, kc = _MODE_SPLIT, d_in
                 plan = (mode, nparts, _gram_config(d_out, r, dev, mode, False, nparts))
                 cfg = plan[2]
-        quad_in_u = _QUAD_IN_U
+        quad_in_u = _S.norm_quad_in_u
         # G's bf16 parts for the quadratic term of the pre-split U pass on TMA (split once, by _g_sum_kernel)
         gparts = None
         k_last = d_in - (d_in - 1) // kc * kc  # the last chunk's columns: the chunk with the quadratic term
@@ -1064,7 +1014,7 @@ def factored_norm_triton(
         del pbuf
         block_r = min(64, max(16, _next_pow2(r)))
         block_o = 64 if d_out >= 64 * _num_sms(dev) else 32
-        prec = _COMBINE_PREC if B.dtype == torch.bfloat16 else _COMBINE_PREC_WIDE_B
+        prec = _S.norm_combine_prec if B.dtype == torch.bfloat16 else _S.norm_combine_prec_wide_b
         if upcast and prec != "split":  # the interpreter runs fp32 dots as "ieee"
             prec = "ieee"
         _COMBINE(

@@ -17,9 +17,11 @@ Backward (norm is detached)::
     dm     = sum_tokens(dy * inner) / max(norm, eps)
     d_bias = (1 - g) * sum_tokens(dy)   (plain form only; the rest of the bias gradient flows through `result`)
 
-This module holds the exact PyTorch ("eager") implementation and the autograd Function. The Triton
-implementation in ``fastdora.kernels.compose`` provides ``compose_fwd`` / ``compose_bwd`` with the same signatures;
-``fastdora.dispatch`` chooses between them.
+This module holds the exact PyTorch ("eager") implementation, the autograd node, and the Triton implementation's
+wiring (``TRITON``: the kernels of ``fastdora.kernels.compose`` where they cover a call, the eager functions where they
+do not; the C++ node of ``fastdora.kernels.native``; torch.library custom ops under ``torch.compile``). Both
+implementations have the same interface (``compose_fwd`` / ``compose_bwd`` / ``apply``); ``fastdora.dispatch``
+chooses between them.
 """
 
 from __future__ import annotations
@@ -29,13 +31,11 @@ from typing import Optional
 
 import torch
 
-from .. import dispatch
-from .. import distributed as _distributed
-from ..stats import path_key, record
+from .. import cache as _cache
+from .. import compat
 
-__all__ = [
-    "dora_compose", "dora_compose_lora_b", "compose_fwd_eager", "compose_bwd_eager", "acc_dtype_for", "magnitude_scale"
-]
+__all__ = ["EAGER", "triton_impl", "compose_fwd_eager", "compose_bwd_eager", "acc_dtype_for", "magnitude_scale",
+           "allow_row_coef_cache", "saves_discarded", "check_norm_detached"]
 
 # tokens processed per chunk in the eager magnitude-gradient reduction (bounds fp32 temporaries)
 _EAGER_ROWS_PER_CHUNK = 4096
@@ -81,13 +81,6 @@ class _RowCoefs:
             v = self.vecs[(name, dtype)] = self._make(name, dtype)
         return v
 
-    def scaled_rows(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``(g * s)[:, None] * w`` in ``dtype`` (``w``: ``lora_B``'s ``[d_out, r]`` weight), formed from ``w`` on
-        every call (not kept: one such copy per layer would add ~the adapters' size to peak memory)."""
-        if w.dtype == dtype:
-            return torch.mul(w.detach(), self.get("gs_col", dtype))
-        return (self.get("gs_col") * w.detach().to(self.acc)).to(dtype)
-
     def _make(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         if dtype != self.acc:
             return self.get(name).to(dtype)
@@ -98,8 +91,6 @@ class _RowCoefs:
             return self.get("g") - 1.0
         if name == "gs":
             return self.get("g") * self.scale
-        if name == "gs_col":  # [d_out, 1]: scales the rows of lora_B's weight gradient
-            return self.get("gs").unsqueeze(1)
         if name == "inv":
             return 1.0 / norm.detach().reshape(-1).to(self.acc).clamp_min(self.eps)
         raise KeyError(name)
@@ -127,12 +118,12 @@ def _row_coefs(magnitude: torch.Tensor, norm: torch.Tensor, eps: float, scale: f
     if coefs is _NOT_CACHEABLE or torch.compiler.is_compiling():
         return _RowCoefs(None, magnitude, norm, eps, scale, acc)
     try:
-        key = (_distributed.epoch(), magnitude.data_ptr(), magnitude._version, norm._version, eps, scale, acc)
+        key = (_cache.epoch(), magnitude.data_ptr(), magnitude._version, norm._version, eps, scale, acc)
     except (RuntimeError, NotImplementedError):  # inference tensors (no version counter), tensor subclasses
         return _RowCoefs(None, magnitude, norm, eps, scale, acc)
     if coefs is not None and coefs.key == key and coefs.magnitude is magnitude:
         return coefs
-    _distributed.ensure_step_hook()  # optimizer steps that bump no version counter (fused / ZeRO) bump the epoch
+    _cache.ensure_step_hook()  # optimizer steps that bump no version counter (fused / ZeRO) bump the epoch
     coefs = _RowCoefs(key, magnitude, norm, eps, scale, acc)
     try:
         norm._fastdora_coefs = coefs
@@ -222,9 +213,9 @@ def _rows_kernels(*ts: Optional[torch.Tensor]) -> bool:
     """True where the per-row passes below may run through batch norm's CUDA kernels: CUDA tensors, contiguous,
     with the per-row (feature) dim last, outside compilation. For a 2-D ``[N, C]`` contiguous tensor PyTorch's
     ``batch_norm_elemt`` / ``batch_norm_backward_reduce`` take their channels-last kernels (vectorized, fp32 math),
-    where a broadcast ``[C]`` operand sends ``mul`` / ``addcmul`` to the non-vectorized elementwise kernel (session
-    30's probe on the H200, [4096, 4096-12288] bf16: 0.65x the time of ``addcmul``, and 0.92x for the column sum of
-    a product, whose products become exact fp32 ones)."""
+    where a broadcast ``[C]`` operand sends ``mul`` / ``addcmul`` to the non-vectorized elementwise kernel (measured
+    on the H200, [4096, 4096-12288] bf16: 0.65x the time of ``addcmul``, and 0.92x for the column sum of a product,
+    whose products become exact fp32 ones)."""
     if _BN_ELEMT is None or _BN_REDUCE is None or torch.compiler.is_compiling():
         return False
     for t in ts:
@@ -375,49 +366,18 @@ def _rowsum_product(a: torch.Tensor, b: torch.Tensor, feature_dim: int, acc: tor
     return out
 
 
-def _checkpoint_pack_codes(hook_cls: str) -> frozenset:
-    """Code objects of the pack hook that non-reentrant ``torch.utils.checkpoint``'s saved-tensor hook class
-    ``hook_cls`` defines: ``_checkpoint_hook`` around the forward it will recompute (it keeps no reference to what is
-    saved: a placeholder ``_Holder`` and, for its determinism check, the saved tensor's shape / dtype / device),
-    ``_recomputation_hook`` around the recomputation. Empty where this torch has no such hook."""
-    try:
-        from torch.utils import checkpoint as _ckpt
-
-        consts = getattr(_ckpt, hook_cls).__init__.__code__.co_consts
-    except Exception:  # pragma: no cover - another torch layout: no hook is recognised
-        return frozenset()
-    return frozenset(c for c in consts if getattr(c, "co_name", None) == "pack_hook")
-
-
-_DISCARD_PACK_CODES = _checkpoint_pack_codes("_checkpoint_hook")
-RECOMPUTE_PACK_CODES = _checkpoint_pack_codes("_recomputation_hook")
-_TOP_SAVED_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-
-
-def top_pack_hook():
-    """The pack hook on top of the saved-tensor hook stack, unwrapped (torch wraps the recomputation's hook to keep
-    dynamo out of it); None without hooks (or on a torch without the query)."""
-    hooks = _TOP_SAVED_HOOKS(False) if _TOP_SAVED_HOOKS is not None else None
-    if hooks is None:
-        return None
-    fn = hooks[0]
-    while hasattr(fn, "__wrapped__"):
-        fn = fn.__wrapped__
-    return fn
-
-
-_DISPATCH_MODES = getattr(torch._C, "_len_torch_dispatch_stack", None)
-
-
 def saves_discarded() -> bool:
     """True while what an autograd node saves is dropped unread: the first forward of non-reentrant gradient
     checkpointing, whose saved tensors the backward takes from the recomputation instead. Only that exact pack hook
     on top of the saved-tensor hook stack counts (another hook above it, e.g. ``save_on_cpu``, keeps the tensors),
     and only without a Python dispatch mode: selective activation checkpointing's mode hands the recomputation the
     first forward's op outputs matched by op and order, so both must run the same ops."""
-    if not _DISCARD_PACK_CODES or getattr(top_pack_hook(), "__code__", None) not in _DISCARD_PACK_CODES:
+    if not _DISCARD_PACK_CODES or getattr(compat.top_pack_hook(), "__code__", None) not in _DISCARD_PACK_CODES:
         return False
-    return _DISPATCH_MODES is not None and _DISPATCH_MODES() == 0
+    return compat.dispatch_modes() == 0
+
+
+_DISCARD_PACK_CODES = compat.DISCARD_PACK_CODES
 
 
 _PLACEHOLDERS: dict = {}
@@ -445,54 +405,22 @@ def _saved_inner(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _forward_into_ctx(ctx, impl, result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, feature_dim,
-                      lora_dtype=None, fwd=None):
+def _forward_into_ctx(ctx, impl, result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, feature_dim):
     """The composition's forward for an autograd node, and what its backward needs on ``ctx``: ``(y, inner)``.
-    ``inner`` is a placeholder (not computed) while saved tensors are discarded (:func:`saves_discarded`). ``fwd``
-    (with ``lora=None`` and ``lora_dtype``): ``fwd(save_inner) -> (y, inner)`` computes the composition instead of
-    ``impl.compose_fwd``."""
+    ``inner`` is a placeholder (not computed) while saved tensors are discarded (:func:`saves_discarded`)."""
     need_dm = magnitude.requires_grad
     need_dbias = bias is not None and bias.requires_grad and base_delta is None
     discard = need_dm and not torch.compiler.is_compiling() and saves_discarded()
-    save = need_dm and not discard
-    if fwd is None:
-        lora_dtype = lora.dtype
-        y, inner = impl.compose_fwd(result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, save,
-                                    feature_dim)
-    else:
-        y, inner = fwd(save)
+    y, inner = impl.compose_fwd(result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype,
+                                need_dm and not discard, feature_dim)
     if discard:
-        inner = _inner_placeholder(result, lora_dtype)
+        inner = _inner_placeholder(result, lora.dtype)
     ctx.magnitude = magnitude
     ctx.delta_form = base_delta is not None
-    ctx.dtypes = (result.dtype, lora_dtype, None if base_delta is None else base_delta.dtype)
+    ctx.dtypes = (result.dtype, lora.dtype, None if base_delta is None else base_delta.dtype)
     ctx.need_dm, ctx.need_dbias = need_dm, need_dbias
     ctx.bias_dtype = None if bias is None else bias.dtype
     return y, inner
-
-
-_C_FUNCTION_APPLY = torch._C._FunctionBase.__dict__.get("apply")
-_UNWRAP_IF_DEAD = getattr(getattr(torch._C, "_functorch", None), "unwrap_if_dead", None)
-_TRANSFORMS_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", None)
-
-
-def _direct_apply(fn_cls):
-    """``fn_cls.apply`` for a Function with no ``setup_context``, minus the Python layer of ``Function.apply`` (the
-    per-call signature and functorch checks around the C ``apply``): outside functorch transforms it does what that
-    layer does -- unwrap dead functorch wrappers among the tensor arguments -- and calls the C ``apply`` directly.
-    Under functorch transforms (or on a torch without these internals) it is ``fn_cls.apply`` itself."""
-    if _C_FUNCTION_APPLY is None or _UNWRAP_IF_DEAD is None or _TRANSFORMS_ACTIVE is None:  # pragma: no cover
-        return fn_cls.apply
-    c_apply = _C_FUNCTION_APPLY.__get__(None, fn_cls)
-    unwrap = _UNWRAP_IF_DEAD
-    is_tensor = torch.Tensor
-
-    def apply(*args):
-        if _TRANSFORMS_ACTIVE():
-            return fn_cls.apply(*args)
-        return c_apply(*[unwrap(a) if isinstance(a, is_tensor) else a for a in args])
-
-    return apply
 
 
 class _DoraCompose(torch.autograd.Function):
@@ -538,148 +466,7 @@ class _DoraCompose(torch.autograd.Function):
         return d_result, d_lora, dm, d_bias, d_bd, None
 
 
-class _DoraComposeLoraB(torch.autograd.Function):
-    """Autograd node of ``lora_B``'s product and the composition together (Linear layers): ``lora = h @ B^T`` is
-    computed here, and the backward never materialises ``d_lora = g * s * dy``: the gradients of ``h`` and ``B`` use
-    the per-row ``g * s`` on ``B``'s rows instead (``d_h = dy @ (gs * B)``, ``d_B = gs * (dy^T h)``), saving one
-    activation-sized write and read per layer, and the separate autograd node and module call of ``lora_B``."""
-
-    @staticmethod
-    def forward(ctx, result, h, lora_b, magnitude, bias, base_delta, cfg):
-        norm, scale, eps, out_dtype, impl = cfg
-        b_half = _addmm_weight(impl, result, h, lora_b, magnitude, bias, base_delta, out_dtype)
-        if b_half is not None:  # inner = result + s * h @ B^T as one GEMM (the eager path on CUDA, half activations)
-
-            def fwd(save_inner):
-                return _compose_fwd_addmm(result, h, b_half, magnitude, norm, scale, eps, save_inner)
-
-            y, inner = _forward_into_ctx(ctx, impl, result, None, magnitude, norm, scale, eps, bias, base_delta,
-                                         result.dtype, -1, result.dtype, fwd)
-        else:
-            lora = torch.nn.functional.linear(h, lora_b)  # under autocast: in the autocast dtype, like lora_B(h)
-            if out_dtype is None:  # what dora_compose(result, lora, ...) defaults to
-                out_dtype = torch.promote_types(result.dtype, lora.dtype)
-                if base_delta is not None:
-                    out_dtype = torch.promote_types(out_dtype, base_delta.dtype)
-            y, inner = _forward_into_ctx(ctx, impl, result, lora, magnitude, norm, scale, eps, bias, base_delta,
-                                         out_dtype, -1)
-        ctx.save_for_backward(h, lora_b, inner)
-        ctx.cfg = cfg
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        h, lora_b, inner = ctx.saved_tensors
-        if ctx.need_dm:
-            inner = _saved_inner(inner)
-        norm, scale, eps, _, impl = ctx.cfg
-        result_dtype, lora_dtype, bd_dtype = ctx.dtypes
-        nig = ctx.needs_input_grad
-        dy = dy.contiguous()
-        d_result, _, d_bd, dm, d_bias = impl.compose_bwd(
-            dy, ctx.magnitude, norm, scale, eps, inner if ctx.need_dm else None, ctx.delta_form, result_dtype,
-            lora_dtype, bd_dtype, ctx.need_dm and nig[3], ctx.need_dbias and nig[4], -1, need_dlora=False,
-        )
-        if d_bias is not None:
-            d_bias = d_bias.to(ctx.bias_dtype)
-        d_h = d_b = None
-        if nig[1] or nig[2]:
-            scaled_b, gs_col = lora_b_row_scales(ctx.magnitude, norm, eps, scale, acc_dtype_for(dy, ctx.magnitude),
-                                                 lora_b, lora_dtype, nig[1], nig[2])
-            dyl = dy if dy.dtype == lora_dtype else dy.to(lora_dtype)
-            if nig[1]:  # d_h = (gs * dy) @ B = dy @ (gs * B), B in the product's dtype (as lora_B's backward)
-                d_h = torch.matmul(dyl, scaled_b)
-                if d_h.dtype != h.dtype:
-                    d_h = d_h.to(h.dtype)
-            if nig[2]:  # d_B = gs * (dy^T h): the product in the activations' dtype
-                hl = h if h.dtype == lora_dtype else h.to(lora_dtype)
-                # bf16 product x gs in B's dtype: fp32 B (AMP) gets an fp32 result, bf16 B one rounding of the scale
-                d_b = torch.mul(torch.mm(dyl.reshape(-1, dy.shape[-1]).t(), hl.reshape(-1, h.shape[-1])), gs_col)
-        return d_result, d_h, d_b, dm, d_bias, d_bd, None
-
-
-def _addmm_weight(impl, result, h, lora_b, magnitude, bias, base_delta, out_dtype) -> Optional[torch.Tensor]:
-    """``lora_B``'s weight in the activations' half dtype where the eager composition of ``_DoraComposeLoraB`` runs
-    as ``inner = addmm(result, h, B^T, alpha=s)`` and ``y = g * inner`` through the row kernels: the eager path
-    (``impl``), CUDA, ``result`` and ``h`` in one half dtype (the output's), plain form without bias, and either no
-    autocast or autocast to that dtype (which casts ``B`` so, as ``F.linear(h, B)`` would). None otherwise."""
-    dt = result.dtype
-    if not (impl is EAGER and base_delta is None and bias is None and dt in _HALF and h.dtype == dt
-            and out_dtype in (None, dt) and magnitude.dtype != torch.float64 and _rows_kernels(result, h)):
-        return None
-    if lora_b.dtype == dt:
-        return lora_b
-    dev = result.device.type
-    if torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) == dt:
-        return lora_b.to(dt)
-    return None
-
-
-def _compose_fwd_addmm(result, h, b_half, magnitude, norm, scale, eps, save_inner):
-    """``(y, inner)``: ``inner = result + s * (h @ B^T)`` as one GEMM (fp32 accumulation, ``result`` added in the
-    epilogue, one rounding), ``y = g * inner`` (one rounding, :func:`_scale_rows`). Reads ``result`` once and writes
-    no separate ``lora``: one activation-sized write and a read+write pass less than ``F.linear`` + ``add``."""
-    coefs = _row_coefs(magnitude, norm, eps, scale, torch.float32)
-    d = result.shape[-1]
-    inner = torch.addmm(result.reshape(-1, d), h.reshape(-1, h.shape[-1]), b_half.t(), alpha=scale)
-    inner = inner.view(result.shape)
-    return _scale_rows(inner, coefs.get("g")), (inner if save_inner else None)
-
-
-def lora_b_row_scales(magnitude, norm, eps, scale, acc, lora_b, lora_dtype, need_dh, need_db):
-    """The fused lora_B node's per-row factors (``_DoraComposeLoraB`` and the C++ node's ``compose_b`` both use
-    these): ``(g*s * B in lora_dtype or None, the [d_out, 1] g*s in B's dtype or None)``, from the per-step cached
-    row coefficients."""
-    coefs = _row_coefs(magnitude, norm, eps, scale, acc)
-    return (coefs.scaled_rows(lora_b, lora_dtype) if need_dh else None,
-            coefs.get("gs_col", lora_b.dtype) if need_db else None)
-
-
-_COMPOSE_APPLY = _direct_apply(_DoraCompose)
-_COMPOSE_LORA_B_APPLY = _direct_apply(_DoraComposeLoraB)
-
-
-def dora_compose_lora_b(
-    result: torch.Tensor,
-    h: torch.Tensor,
-    lora_b: torch.Tensor,
-    magnitude: torch.Tensor,
-    norm: torch.Tensor,
-    scale: float,
-    eps: float,
-    *,
-    bias: Optional[torch.Tensor] = None,
-    base_delta: Optional[torch.Tensor] = None,
-    out_dtype: Optional[torch.dtype] = None,
-    kernels: str = "auto",
-    kind: Optional[str] = None,
-) -> torch.Tensor:
-    """``dora_compose(result, F.linear(h, lora_b), ...)`` for a last feature dim, with ``lora_B``'s product inside
-    the same autograd node (see :class:`_DoraComposeLoraB`). Same outputs and gradients (``h`` and ``lora_b`` get
-    theirs from that node); without autograd (inference, no grad) it is ``dora_compose`` on the product, except on
-    the eager path with half activations on CUDA, where it is the training node's forward (``inner`` by one
-    ``addmm``: the product is not rounded on its own)."""
-    if (not torch.is_grad_enabled()) or torch.compiler.is_compiling():
-        impl = dispatch.compose_impl(result, h, magnitude, bias, base_delta, -1, kernels)
-        b_half = _addmm_weight(impl, result, h, lora_b, magnitude, bias, base_delta, out_dtype)
-        if b_half is not None:  # the eager path's one-GEMM inner (as the training node's forward), nothing saved
-            if kind is not None:
-                record(path_key(kind, impl.name))
-            return _compose_fwd_addmm(result, h, b_half, magnitude, norm, scale, eps, False)[0]
-        lora = torch.nn.functional.linear(h, lora_b)
-        return dora_compose(result, lora, magnitude, norm, scale, eps, bias=bias, base_delta=base_delta,
-                            out_dtype=out_dtype, kernels=kernels, kind=kind)
-    if norm.requires_grad:
-        raise ValueError("fastdora: the weight norm must be detached (DoRA treats it as a constant)")
-    impl = dispatch.compose_impl(result, h, magnitude, bias, base_delta, -1, kernels)
-    if kind is not None:
-        record(path_key(kind, impl.name))
-    fused = getattr(impl, "apply_lora_b", None)
-    if fused is not None and base_delta is None:  # the C++ node (fastdora.kernels.native) where it is active
-        y = fused(result, h, lora_b, magnitude, norm, bias, scale, eps, out_dtype)
-        if y is not None:
-            return y
-    return _COMPOSE_LORA_B_APPLY(result, h, lora_b, magnitude, bias, base_delta, (norm, scale, eps, out_dtype, impl))
+_COMPOSE_APPLY = compat.direct_apply(_DoraCompose)
 
 
 class _EagerImpl:
@@ -703,42 +490,6 @@ class _EagerImpl:
 EAGER = _EagerImpl()
 
 
-def dora_compose(
-    result: torch.Tensor,
-    lora: torch.Tensor,
-    magnitude: torch.Tensor,
-    norm: torch.Tensor,
-    scale: float,
-    eps: float,
-    *,
-    bias: Optional[torch.Tensor] = None,
-    base_delta: Optional[torch.Tensor] = None,
-    out_dtype: Optional[torch.dtype] = None,
-    feature_dim: int = -1,
-    kernels: str = "auto",
-    kind: Optional[str] = None,
-) -> torch.Tensor:
-    """The final DoRA output (see module docstring). ``norm`` must be detached (fp32/fp64, shape ``[d_out]``).
-
-    ``out_dtype`` defaults to the promoted dtype of ``result``, ``lora`` and ``base_delta`` (what PEFT's
-    ``result + delta`` gives). ``kernels`` is ``"auto" | "triton" | "eager"``. ``kind`` (e.g. ``"linear"``) names the
-    layer kind in ``fastdora.stats.active_path_counter``.
-    """
-    if norm.requires_grad:
-        raise ValueError("fastdora: the weight norm must be detached (DoRA treats it as a constant)")
-    if out_dtype is None:
-        out_dtype = torch.promote_types(result.dtype, lora.dtype)
-        if base_delta is not None:
-            out_dtype = torch.promote_types(out_dtype, base_delta.dtype)
-    impl = dispatch.compose_impl(result, lora, magnitude, bias, base_delta, feature_dim, kernels)
-    if kind is not None:
-        record(path_key(kind, impl.name))
-    if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        # inference path: no autograd node, nothing saved
-        return impl.compose_fwd(result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, False, feature_dim)[0]
-    return impl.apply(result, lora, magnitude, norm, bias, base_delta, scale, eps, out_dtype, feature_dim)
-
-
 def _apply_autograd(impl):
     def apply(result, lora, magnitude, norm, bias, base_delta, scale, eps, out_dtype, feature_dim):
         cfg = (norm, scale, eps, out_dtype, feature_dim, impl)
@@ -748,3 +499,227 @@ def _apply_autograd(impl):
 
 
 EAGER.apply = _apply_autograd(EAGER)
+
+
+def check_norm_detached(norm: torch.Tensor) -> None:
+    if norm.requires_grad:
+        raise ValueError("fastdora: the weight norm must be detached (DoRA treats it as a constant)")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the Triton implementation: kernels where they cover a call, the eager functions where not; the C++ node; custom ops
+# --------------------------------------------------------------------------------------------------------------------
+
+_TRITON = None  # the implementation object once built (triton_impl), False where Triton is unavailable
+
+
+def triton_impl():
+    """The Triton implementation (same interface as :data:`EAGER`), built on first use (imports Triton); None where
+    Triton is not available."""
+    global _TRITON
+    if _TRITON is None:
+        from ..kernels import compose as kc
+
+        _TRITON = _build_triton(kc) if kc.AVAILABLE else False
+    return _TRITON or None
+
+
+class _TritonImpl:
+    """Same interface as :data:`EAGER`; its functions are set by :func:`_build_triton`."""
+
+    name = "triton"
+
+
+def _build_triton(kc):
+    from ..kernels import native
+
+    def compose_fwd(result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, save_inner,
+                    feature_dim=-1):
+        if kc.fwd_supported(result, lora, magnitude, norm, bias, base_delta, out_dtype, feature_dim):
+            return kc.compose_fwd(result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, save_inner,
+                                  feature_dim)
+        return compose_fwd_eager(result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, save_inner,
+                                 feature_dim)
+
+    def compose_bwd(dy, magnitude, norm, scale, eps, inner, delta_form, result_dtype, lora_dtype, base_delta_dtype,
+                    need_dm, need_dbias, feature_dim=-1, need_dresult=True, need_dlora=True, dm_from_y=False):
+        if kc.bwd_supported(dy, magnitude, norm, inner, result_dtype, lora_dtype, base_delta_dtype, need_dm,
+                            feature_dim):
+            return kc.compose_bwd(dy, magnitude, norm, scale, eps, inner, delta_form, result_dtype, lora_dtype,
+                                  base_delta_dtype, need_dm, need_dbias, feature_dim, need_dresult, need_dlora,
+                                  dm_from_y)
+        d_result, d_lora, d_bd, dm, d_bias = compose_bwd_eager(
+            dy, magnitude, norm, scale, eps, inner, delta_form, result_dtype, lora_dtype, base_delta_dtype, need_dm,
+            need_dbias, feature_dim, need_dlora, dm_from_y)
+        return (d_result if need_dresult else None), d_lora, d_bd, dm, d_bias
+
+    def slow_fwd(result, lora, magnitude, norm, bias, scale, eps, out_dtype, save_inner):
+        return compose_fwd(result, lora, magnitude, norm, scale, eps, bias, None, out_dtype, save_inner)
+
+    def slow_bwd(dy, magnitude, norm, scale, eps, inner, rd, ld, need_dm, need_dres, need_dlora, dm_from_y):
+        d_result, d_lora, _, dm, _ = compose_bwd(dy, magnitude, norm, scale, eps, inner, False, rd, ld, None, need_dm,
+                                                 False, -1, need_dresult=need_dres, need_dlora=need_dlora,
+                                                 dm_from_y=dm_from_y)
+        return d_result, d_lora, dm
+
+    native.set_fallbacks(slow_fwd, slow_bwd)
+    impl = _TritonImpl()
+    impl.compose_fwd = compose_fwd
+    impl.compose_bwd = compose_bwd
+    apply_function = _apply_autograd(impl)
+    has_custom_ops = _define_custom_ops(compose_fwd, compose_bwd)
+
+    def apply(result, lora, magnitude, norm, bias, base_delta, scale, eps, out_dtype, feature_dim=-1):
+        """Autograd-aware composition. Under ``torch.compile`` it is one custom op per direction (no graph break);
+        in eager mode the C++ node where it is active, else the equivalent ``autograd.Function``."""
+        if has_custom_ops and torch.compiler.is_compiling():
+            save_inner = bool(magnitude.requires_grad and torch.is_grad_enabled())
+            y, _ = torch.ops.fastdora.dora_compose_fwd(
+                result, lora, magnitude, norm, bias, base_delta, float(scale), float(eps), out_dtype, save_inner
+            )
+            return y
+        node = native.NODE if native.NODE is not None else native.first_node(result)
+        if node is not None and base_delta is None and not compat.transforms_active():
+            # bias: never trainable here (dispatch sends that eager); discard: a placeholder for inner (made in C++)
+            discard = magnitude.requires_grad and saves_discarded()
+            return node.compose(result, lora, magnitude, norm, bias, float(scale), float(eps), out_dtype, discard)
+        return apply_function(result, lora, magnitude, norm, bias, base_delta, scale, eps, out_dtype, feature_dim)
+
+    def layer_node(x):
+        """The C++ node for a whole-layer call: active, no functorch transforms, no Python dispatch mode (selective
+        activation checkpointing matches the separate nodes' ops), a contiguous input of at least two dims; None
+        otherwise."""
+        node = native.NODE if native.NODE is not None else native.first_node(x)
+        if (node is None or compat.transforms_active() or compat.dispatch_modes() != 0 or x.dim() < 2
+                or not x.is_contiguous()):
+            return None
+        return node
+
+    impl.apply = apply
+    impl.layer_node = layer_node
+    return impl
+
+
+def _empty_like0(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    return t.new_empty((0,), dtype=dtype or t.dtype)
+
+
+def _define_custom_ops(compose_fwd, compose_bwd) -> bool:
+    """Register ``fastdora::dora_compose_fwd`` / ``_bwd`` (torch.library custom ops with fake implementations and an
+    autograd formula, so that ``torch.compile`` sees one opaque op per direction); False where this torch has no
+    ``custom_op`` or the registration fails (the autograd.Function still works)."""
+    if not hasattr(torch.library, "custom_op") or not hasattr(torch.library, "register_fake"):
+        return False
+    try:
+        if hasattr(torch.ops, "fastdora") and hasattr(torch.ops.fastdora, "dora_compose_fwd"):
+            return True  # already registered (module imported under a second name)
+    except Exception:  # pragma: no cover
+        pass
+    try:
+        _register_custom_ops(compose_fwd, compose_bwd)
+    except Exception:  # pragma: no cover
+        return False
+    return True
+
+
+def _register_custom_ops(compose_fwd, compose_bwd) -> None:
+    @torch.library.custom_op("fastdora::dora_compose_fwd", mutates_args=())
+    def _fwd_op(
+        result: torch.Tensor,
+        lora: torch.Tensor,
+        magnitude: torch.Tensor,
+        norm: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        base_delta: Optional[torch.Tensor],
+        scale: float,
+        eps: float,
+        out_dtype: torch.dtype,
+        save_inner: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        y, inner = compose_fwd(result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, save_inner)
+        return y, (inner if inner is not None else _empty_like0(result, torch.promote_types(result.dtype, lora.dtype)))
+
+    @_fwd_op.register_fake
+    def _(result, lora, magnitude, norm, bias, base_delta, scale, eps, out_dtype, save_inner):
+        inner_dtype = torch.promote_types(result.dtype, lora.dtype)
+        y = result.new_empty(result.shape, dtype=out_dtype)
+        inner = result.new_empty(result.shape, dtype=inner_dtype) if save_inner else _empty_like0(result, inner_dtype)
+        return y, inner
+
+    @torch.library.custom_op("fastdora::dora_compose_bwd", mutates_args=())
+    def _bwd_op(
+        dy: torch.Tensor,
+        magnitude: torch.Tensor,
+        norm: torch.Tensor,
+        inner: torch.Tensor,
+        scale: float,
+        eps: float,
+        delta_form: bool,
+        result_dtype: torch.dtype,
+        lora_dtype: torch.dtype,
+        base_delta_dtype: torch.dtype,
+        need_dresult: bool,
+        need_dlora: bool,
+        need_dm: bool,
+        need_dbias: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        # delta form: d_result (= dy cast) is produced outside the op (an op output must not alias an input)
+        d_result, d_lora, d_bd, dm, d_bias = compose_bwd(
+            dy, magnitude, norm, scale, eps, inner if need_dm else None, delta_form, result_dtype, lora_dtype,
+            base_delta_dtype if delta_form else None, need_dm, need_dbias,
+            need_dresult=need_dresult and not delta_form, need_dlora=need_dlora,
+        )
+        if delta_form:
+            d_result = None
+        acc = torch.float64 if torch.float64 in (dy.dtype, magnitude.dtype) else torch.float32
+        # unneeded outputs: distinct empty tensors (custom-op outputs must not alias each other)
+        return tuple(t if t is not None else _empty_like0(dy, acc) for t in (d_result, d_lora, d_bd, dm, d_bias))
+
+    @_bwd_op.register_fake
+    def _(dy, magnitude, norm, inner, scale, eps, delta_form, result_dtype, lora_dtype, base_delta_dtype,
+          need_dresult, need_dlora, need_dm, need_dbias):
+        acc = torch.float64 if torch.float64 in (dy.dtype, magnitude.dtype) else torch.float32
+        n = dy.shape[-1]
+        return (
+            dy.new_empty(dy.shape, dtype=result_dtype) if need_dresult and not delta_form else _empty_like0(dy, acc),
+            dy.new_empty(dy.shape, dtype=lora_dtype) if need_dlora else _empty_like0(dy, acc),
+            dy.new_empty(dy.shape, dtype=base_delta_dtype) if delta_form else _empty_like0(dy, acc),
+            magnitude.new_empty(magnitude.shape) if need_dm else _empty_like0(dy, acc),
+            dy.new_empty((n,), dtype=acc) if need_dbias else _empty_like0(dy, acc),
+        )
+
+    def _setup_context(ctx, inputs, output):
+        result, lora, magnitude, norm, bias, base_delta, scale, eps, out_dtype, save_inner = inputs
+        _, inner = output
+        ctx.save_for_backward(magnitude, norm, inner)
+        ctx.scale, ctx.eps, ctx.save_inner = scale, eps, save_inner
+        ctx.delta_form = base_delta is not None
+        ctx.dtypes = (result.dtype, lora.dtype, base_delta.dtype if base_delta is not None else result.dtype)
+        ctx.has_bias = bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+
+    def _backward(ctx, dy, _d_inner):
+        magnitude, norm, inner = ctx.saved_tensors
+        rd, ld, bdd = ctx.dtypes
+        nig = ctx.needs_input_grad
+        need_dm = bool(nig[2]) and ctx.save_inner
+        need_dbias = bool(nig[4]) and ctx.has_bias and not ctx.delta_form
+        d_result, d_lora, d_bd, dm, d_bias = torch.ops.fastdora.dora_compose_bwd(
+            dy, magnitude, norm, inner, ctx.scale, ctx.eps, ctx.delta_form, rd, ld, bdd,
+            bool(nig[0]), bool(nig[1]), need_dm, need_dbias,
+        )
+        if ctx.delta_form:
+            d_result = dy.to(rd) if nig[0] else None
+        elif not nig[0]:
+            d_result = None
+        return (
+            d_result,
+            d_lora if nig[1] else None,
+            dm if need_dm else None,
+            None,
+            d_bias.to(ctx.bias_dtype) if need_dbias else None,
+            d_bd if (ctx.delta_form and nig[5]) else None,
+            None, None, None, None,
+        )
+
+    torch.library.register_autograd("fastdora::dora_compose_fwd", _backward, setup_context=_setup_context)

@@ -7,7 +7,8 @@
 for convolutions). Everything accumulates in fp32 (fp64 when an input is fp64), over column chunks of ``W`` so the
 working set stays ``O(d_out*r + r^2)`` plus one bounded chunk; no ``[d_out, d_in]`` temporary, no ``eye``.
 
-The Triton implementation (``fastdora.kernels.norm``) has the same signature; ``fastdora.dispatch`` chooses.
+The Triton implementation (``fastdora.kernels.norm``) has the same contract; ``fastdora.dispatch.factored_norm``
+chooses between them.
 """
 
 from __future__ import annotations
@@ -16,9 +17,7 @@ from typing import Optional
 
 import torch
 
-from .. import dispatch
-
-__all__ = ["factored_norm", "factored_norm_eager", "combine_norm"]
+__all__ = ["factored_norm_eager", "combine_norm"]
 
 
 def _acc(*ts: torch.Tensor) -> torch.dtype:
@@ -30,7 +29,8 @@ def _chunk_cols(d_out: int, d_in: int, budget_bytes: int) -> int:
     return max(1, min(d_in, budget_bytes // max(1, 4 * d_out)))
 
 
-def combine_norm(base_sq: torch.Tensor, U: torch.Tensor, G: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor:
+def combine_norm(base_sq: torch.Tensor, U: torch.Tensor, G: torch.Tensor, B: torch.Tensor,
+                 scale: float) -> torch.Tensor:
     """sqrt(max(base_sq + 2s*rowsum(B*U) + s^2*rowsum((B@G)*B), 0)) in the precision of ``U``."""
     acc = U.dtype
     Bf = B.to(acc)
@@ -74,18 +74,3 @@ def factored_norm_eager(
                 base_sq += torch.linalg.vector_norm(wc, dim=1).square()
         norm = combine_norm(base_sq, U, G, lora_B, float(scale))
     return norm, base_sq
-
-
-def factored_norm(
-    weight: torch.Tensor,
-    lora_A: torch.Tensor,
-    lora_B: torch.Tensor,
-    scale: float,
-    base_sq: Optional[torch.Tensor] = None,
-    budget_bytes: int = 16 << 20,
-    kernels: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatching entry point (Triton on CUDA when available, else the eager path above)."""
-    impl = dispatch.norm_impl(weight, lora_A, lora_B, kernels)
-    with torch.autocast(weight.device.type, enabled=False):
-        return impl(weight, lora_A, lora_B, scale, base_sq, budget_bytes)

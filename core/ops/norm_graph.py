@@ -4,7 +4,7 @@ With the frozen base norm cached, a layer's weight norm is recomputed once per o
 Triton launches on the same parameter storages (optimizers update ``A`` and ``B`` in place). That sequence costs ~12
 launches and their Python per layer, at the start of the first micro-batch after each step, when the GPU queue is
 empty (transformers' causal-mask construction synchronises once per forward): measured on the H200 as host time the
-GPU waits for (benchmarks/README.md, session 19). Captured once into a CUDA graph, each later recomputation is one
+GPU waits for (measured on the H200). Captured once into a CUDA graph, each later recomputation is one
 graph launch on the current stream, computing the same kernels on the same inputs into the same output tensor:
 bitwise the same norm.
 
@@ -20,9 +20,9 @@ A graph is used only where replaying it is exactly the eager computation:
   one layer's working set plus the norms.
 
 The first recomputation computes ``||W||^2`` too and the first one with a cached base compiles that plan's kernels,
-both eagerly (a capture never compiles); the next one is captured (``CAPTURE_AFTER``) and replayed, and every later
-one replays. A capture that fails leaves that layer eager (``norm:graph_failed``) and the process as it was (see
-``_after_failed_capture``).
+both eagerly (a capture never compiles); the next one is captured (after ``Settings.graph_capture_after`` eager
+recomputations) and replayed, and every later one replays. A capture that fails leaves that layer eager
+(``norm:graph_failed``) and the process as it was (see ``_after_failed_capture``).
 """
 
 from __future__ import annotations
@@ -33,20 +33,16 @@ from typing import Optional
 
 import torch
 
-from .. import dispatch
 from ..kernels import _launch
 
-__all__ = ["NormGraph", "signature", "capture", "CAPTURE_AFTER"]
-
-#: eager recomputations (with a cached base) of a layer before its norm is captured
-CAPTURE_AFTER = 1
+__all__ = ["NormGraph", "signature", "capture"]
 
 # (device index, raw stream) -> (graph memory pool, capture stream, keeper graph) shared by that stream's norm graphs:
 # one capture stream per pool, because the caching allocator reuses a freed block only for allocations on the stream
 # that used it (a fresh stream per capture would keep every layer's temporaries reserved: +0.7 GB at Qwen3-8B x 8
 # layers). The keeper is an empty graph captured into the pool when it is created: PyTorch counts the live graphs of
 # a pool and refuses a capture into a pool whose count fell to zero (an internal assert in the caching allocator's
-# beginAllocateToPool, session 20) -- which happened once every graph of a pool had been freed (a model deleted,
+# beginAllocateToPool) -- which happened once every graph of a pool had been freed (a model deleted,
 # graphs replaced) and a later layer captured into the pool kept here.
 _POOLS: dict = {}
 
@@ -55,9 +51,10 @@ def _tsig(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
 
 
-def signature(weight, weight_src, lora_A, lora_B, scale, base_sq, kernels) -> Optional[tuple]:
+def signature(weight, weight_src, lora_A, lora_B, scale, base_sq, triton: bool) -> Optional[tuple]:
     """What a norm graph bakes in (None: not graphable here). ``weight`` is the effective weight the norm reads,
-    ``weight_src`` the layer's stored parameter (``weight`` must be a view of its storage)."""
+    ``weight_src`` the layer's stored parameter (``weight`` must be a view of its storage); ``triton``: the dispatch
+    picked the Triton norm for these tensors."""
     if (
         base_sq is None
         or not (weight.is_cuda and lora_A.is_cuda and lora_B.is_cuda and base_sq.is_cuda)
@@ -66,14 +63,8 @@ def signature(weight, weight_src, lora_A, lora_B, scale, base_sq, kernels) -> Op
         or torch.compiler.is_compiling()
         or _launch.capturing()
         or weight.untyped_storage().data_ptr() != weight_src.untyped_storage().data_ptr()
-        or not dispatch.triton_available()
+        or not triton
     ):
-        return None
-    from ..kernels import norm as kn
-
-    if dispatch.norm_impl(weight, lora_A, lora_B, kernels) is not kn.factored_norm_triton:
-        return None
-    if not kn.supports(weight, lora_A, lora_B):
         return None
     # storages by address and layout: a graph reads whatever lives at the captured addresses, so matching current
     # tensors at the same addresses with the same layouts is all a replay needs (a recomputed base or a swapped
@@ -117,7 +108,7 @@ def capture(sig, weight, lora_A, lora_B, scale, base_sq, budget_bytes):
     current = torch.cuda.current_stream(dev)
     side.wait_stream(current)
     # no cyclic garbage collection inside the capture: a collection runs the finalizers of unreachable objects, and
-    # a CUDA graph freed during a capture fails it (benchmarks/graph_gc_probe.py, free_graph_inside, session 20)
+    # a CUDA graph freed during a capture fails it (reproduced on the H200 with torch 2.11)
     gc_on = gc.isenabled()
     gc.disable()
     try:

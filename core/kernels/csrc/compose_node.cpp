@@ -1,29 +1,27 @@
-// fastdora's composition autograd node in C++ (issue 5: the training step is host-bound on the H200).
+// fastdora's composition autograd node in C++: the same kernels as the Python node, less host time per layer.
 //
 // The Python autograd.Function of fastdora.ops.compose costs tens of microseconds of interpreter time per layer
-// call in the forward and in the backward (its ctx, its launch preparation). This node does the same thing from
-// C++: the forward allocates y (and inner), fills a launch template that the Python launcher registered for the
-// problem's key (shapes, dtypes, flags, device) with this call's data pointers, stream and scalars, and calls
-// Triton's compiled launcher (`CompiledKernel.run`) with it; the backward does the same for the backward kernel.
-// Anything the templates do not cover (first call of a key, unaligned pointers, a CUDA graph capture in the
-// backward, Triton launch hooks, empty problems) goes through the Python launchers (`slow_fwd` / `slow_bwd`, the
-// same functions the Python path runs), which register templates as they go. The kernels, their arguments and the
-// arithmetic are exactly those of the Python path: only who fills the argument list differs.
+// call in the forward and in the backward (its ctx, its launch preparation), and a DoRA training step on the H200 is
+// host-bound. This node does the same thing from C++: the forward allocates y (and inner), fills a launch template
+// that the Python launcher registered for the problem's key (shapes, dtypes, flags, device) with this call's data
+// pointers, stream and scalars, and calls Triton's compiled launcher (`CompiledKernel.run`) with it; the backward
+// does the same for the backward kernel. Anything the templates do not cover (first call of a key, unaligned
+// pointers, a CUDA graph capture in the backward, Triton launch hooks, empty problems) goes through the Python
+// launchers (`slow_fwd` / `slow_bwd`, the same functions the Python path runs), which register templates as they
+// go. The kernels, their arguments and the arithmetic are exactly those of the Python path: only who fills the
+// argument list differs.
 //
-// ComposeBNode (fuse_lora_b): the same with lora_B's product inside the node -- lora = h @ B^T in the forward; the
-// backward skips d_lora and computes the gradients of h and B from dy and the per-row g * s (as the Python node
-// fastdora.ops.compose._DoraComposeLoraB does, with the same operations: bitwise the same results).
+// Direct launch: a template whose kernel's parameter layout the Python side could derive (Triton's CompiledKernel:
+// its signature minus constexprs, then the global and profile scratch pointers, all null here; one CTA per program,
+// no cooperative / PDL launch, no scratch memory) also carries that layout, and the node launches it with the CUDA
+// driver's cuLaunchKernel from C++ (the same function handle, grid, block, shared memory and parameter bytes Triton's
+// launcher passes) instead of calling Triton's Python launcher. The Python side enables this only on the Triton
+// versions the layout was verified on, after a self-check at first use (fastdora/kernels/native.py). The driver is
+// opened with dlopen (no CUDA toolkit at build time). Where it is unavailable, no context is current, or the direct
+// launch is off, the template's Triton launcher runs.
 //
-// Native launch (session 26): a template whose kernel's parameter layout the Python side could derive (Triton's
-// CompiledKernel: its signature minus constexprs, then the global and profile scratch pointers, all null here; one
-// CTA per program, no cooperative / PDL launch, no scratch memory) also carries that layout, and the node launches
-// it with the CUDA driver's cuLaunchKernel from C++ (the same function handle, grid, block, shared memory and
-// parameter bytes Triton's launcher passes) instead of calling Triton's Python launcher. The driver is opened with
-// dlopen (no CUDA toolkit at build time). Where it is unavailable, no context is current, or the native launch is
-// switched off (FASTDORA_NATIVE_LAUNCH=0), the template's Triton launcher runs as before.
-//
-// LinearNode (session 27): a whole DoRA Linear layer -- the base layer's product (with its frozen bias, if any),
-// lora_A's, lora_B's and the composition -- as one autograd node, called once per layer forward from
+// LinearNode: a whole DoRA Linear layer -- the base layer's product (with its frozen bias, if any), lora_A's,
+// lora_B's and the composition -- as one autograd node, called once per layer forward from
 // fastdora.layers.lean_linear_forward. Under gradient checkpointing the separate nodes' saved tensors (W, x, A, h, B,
 // inner: six Python pack hooks in the first forward, six in the recomputation, six unpack hooks) become three (x, h,
 // inner), and the per-node autograd and Python work of three linears goes. Its forward runs the same ATen ops
@@ -34,7 +32,7 @@
 // every gradient bitwise those of the separate nodes.
 //
 // Module functions (Python): configure(...), load_driver(), set_native_launch(on), register(...), clear(),
-// compose(...), compose_b(...), dora_linear(...), stats().
+// compose(...), dora_linear(...), stats().
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -127,7 +125,6 @@ PyObject* g_slow_bwd = nullptr;      // (dy, magnitude, norm, scale, eps, inner,
 PyObject* g_capturing = nullptr;     // () -> bool: the current CUDA stream is capturing a graph
 PyObject* g_hooks_active = nullptr;  // () -> bool: Triton launch hooks are set (the Python launcher serves them)
 PyObject* g_counters = nullptr;      // (dy, n) -> zeroed int32 program counters of dy's current stream
-PyObject* g_lora_b_coefs = nullptr;  // (magnitude, norm, eps, scale, acc64, lora_b, lora_dtype, need_dh, need_db)
                                      //   -> (B's rows scaled by g * s, or None; the [d_out, 1] g * s, or None)
 int64_t g_fast = 0, g_slow = 0;      // launches through templates / through the Python launchers
 int64_t g_native = 0;                // of the template launches: direct (cuLaunchKernel)
@@ -538,70 +535,6 @@ struct ComposeNode : public torch::autograd::Function<ComposeNode> {
   }
 };
 
-struct ComposeBNode : public torch::autograd::Function<ComposeBNode> {
-  // inputs: result, h (lora_A's output), lora_b (B's weight), magnitude; lora = linear(h, lora_b) here
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& result, const at::Tensor& h,
-                            const at::Tensor& lora_b, const at::Tensor& magnitude, const Extra& ex_in) {
-    const at::Tensor lora = at::linear(h, lora_b);  // under autocast: in the autocast dtype, as lora_B(h)
-    Extra ex = ex_in;
-    if (ex.out_dtype == at::ScalarType::Undefined) ex.out_dtype = c10::promoteTypes(result.scalar_type(),
-                                                                                     lora.scalar_type());
-    const bool need_dm = magnitude.requires_grad();
-    const bool discard = ex.discard;
-    auto yi = run_fwd(result, lora, magnitude, ex, need_dm && !discard);
-    at::Tensor y = yi.first, inner = yi.second;
-    if (need_dm && discard) inner = placeholder(result, lora);
-    save_common(ctx, magnitude, ex, result, lora, need_dm);
-    ctx->save_for_backward({h, lora_b, need_dm ? inner : at::Tensor()});
-    return y;
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const bool need_dres = ctx->needs_input_grad(0), need_dh = ctx->needs_input_grad(1);
-    const bool need_db = ctx->needs_input_grad(2);
-    const bool need_dm = ctx->saved_data["dm"].toBool() && ctx->needs_input_grad(3);
-    if (!(need_dres || need_dh || need_db || need_dm))
-      return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-    auto saved = ctx->get_saved_variables();
-    const at::Tensor h = saved[0], lora_b = saved[1];
-    at::Tensor inner;
-    if (ctx->saved_data["dm"].toBool()) inner = saved_inner(saved[2]);
-    const at::Tensor magnitude = ctx->saved_data["m"].toTensor();
-    const at::Tensor norm = ctx->saved_data["n"].toTensor();
-    const double scale = ctx->saved_data["s"].toDouble(), eps = ctx->saved_data["e"].toDouble();
-    const auto ld = static_cast<at::ScalarType>(ctx->saved_data["ld"].toInt());
-    const at::Tensor dy = grads[0].contiguous();
-    GIL gil;
-    at::Tensor d_result, dm, d_h, d_b;
-    if (need_dres || need_dm) {
-      auto g = run_bwd(dy, inner, magnitude, norm, scale, eps,
-                       static_cast<at::ScalarType>(ctx->saved_data["rd"].toInt()), ld, need_dres, false, need_dm);
-      d_result = g[0];
-      dm = g[2];
-    }
-    if (need_dh || need_db) {
-      // the per-row g * s from the Python side (fastdora.ops.compose.lora_b_row_scales, cached per step)
-      const bool acc64 = dy.scalar_type() == at::kDouble || magnitude.scalar_type() == at::kDouble;
-      PyObject* r = PyObject_CallFunction(
-          g_lora_b_coefs, "NNddONOOO", wrap(magnitude), wrap(norm), eps, scale, acc64 ? Py_True : Py_False,
-          wrap(lora_b), reinterpret_cast<PyObject*>(torch::getTHPDtype(ld)), need_dh ? Py_True : Py_False,
-          need_db ? Py_True : Py_False);
-      auto coefs = fallback_result(r, 2, "lora_b_coefs");
-      const at::Tensor dyl = dy.scalar_type() == ld ? dy : dy.to(ld);
-      const int64_t N = dy.size(-1);
-      if (need_dh) {  // d_h = (g s dy) @ B = dy @ (g s * B)
-        d_h = at::matmul(dyl, coefs[0]);
-        if (d_h.scalar_type() != h.scalar_type()) d_h = d_h.to(h.scalar_type());
-      }
-      if (need_db) {  // d_B = g s * (dy^T h)
-        const at::Tensor hl = h.scalar_type() == ld ? h : h.to(ld);
-        d_b = at::mul(at::mm(dyl.reshape({-1, N}).t(), hl.reshape({-1, h.size(-1)})), coefs[1]);
-      }
-    }
-    return {need_dres ? d_result : at::Tensor(), d_h, d_b, need_dm ? dm : at::Tensor(), at::Tensor()};
-  }
-};
-
 // autograd's derivatives of mm(mat1, mat2) (torch/csrc/autograd/FunctionsManual.cpp: mm_mat1_backward /
 // mm_mat2_backward, strided layouts): a column-major input gets its gradient as the transpose of a product. mat1's
 // layout is given by its rows and strides (it need not be at hand).
@@ -759,11 +692,11 @@ struct LinearNode : public torch::autograd::Function<LinearNode> {
 };
 
 PyObject* py_configure(PyObject*, PyObject* args) {
-  PyObject *f, *b, *c, *h, *k, *lb;
-  if (!PyArg_ParseTuple(args, "OOOOOO", &f, &b, &c, &h, &k, &lb)) return nullptr;
-  PyObject** slots[6] = {&g_slow_fwd, &g_slow_bwd, &g_capturing, &g_hooks_active, &g_counters, &g_lora_b_coefs};
-  PyObject* vals[6] = {f, b, c, h, k, lb};
-  for (int i = 0; i < 6; ++i) {
+  PyObject *f, *b, *c, *h, *k;
+  if (!PyArg_ParseTuple(args, "OOOOO", &f, &b, &c, &h, &k)) return nullptr;
+  PyObject** slots[5] = {&g_slow_fwd, &g_slow_bwd, &g_capturing, &g_hooks_active, &g_counters};
+  PyObject* vals[5] = {f, b, c, h, k};
+  for (int i = 0; i < 5; ++i) {
     Py_INCREF(vals[i]);
     Py_XDECREF(*slots[i]);
     *slots[i] = vals[i];
@@ -964,17 +897,6 @@ PyObject* py_compose(PyObject*, PyObject* const* a, Py_ssize_t n) {
   END_HANDLE_TH_ERRORS
 }
 
-// compose_b(result, h, lora_b, magnitude, norm, bias, scale, eps, out_dtype or None, discard) -> y (autograd-aware)
-PyObject* py_compose_b(PyObject*, PyObject* const* a, Py_ssize_t n) {
-  HANDLE_TH_ERRORS
-  Extra ex;
-  if (!n_args(n, 10, "compose_b") || !parse_extra(a + 4, ex) || !truth(a[9], ex.discard)) return nullptr;
-  ex.out_dtype = a[8] == Py_None ? at::ScalarType::Undefined : dtype_of(a[8]);
-  at::Tensor y = ComposeBNode::apply(unwrap(a[0]), unwrap(a[1]), unwrap(a[2]), unwrap(a[3]), ex);
-  return THPVariable_Wrap(y);
-  END_HANDLE_TH_ERRORS
-}
-
 // dora_linear(x, weight, bias, lora_a, lora_b, magnitude, norm, scale, eps, discard, dm_from_y) -> y: the whole
 // layer (autograd-aware where grad mode is on; an inference call otherwise; bias: the base layer's frozen bias or
 // None; dm_from_y: the magnitude's gradient may come from the saved output, see dm_from_output)
@@ -998,7 +920,7 @@ PyObject* py_dora_linear(PyObject*, PyObject* const* a, Py_ssize_t n) {
 
 PyMethodDef methods[] = {
     {"configure", py_configure, METH_VARARGS,
-     "configure(slow_fwd, slow_bwd, capturing, hooks_active, counters, lora_b_coefs)"},
+     "configure(slow_fwd, slow_bwd, capturing, hooks_active, counters)"},
     {"register", py_register, METH_VARARGS, "register a launch template"},
     {"clear", py_clear, METH_NOARGS, "drop every template and reset the counters"},
     {"load_driver", py_load_driver, METH_NOARGS, "open the CUDA driver for direct launches: None, or why not"},
@@ -1010,8 +932,6 @@ PyMethodDef methods[] = {
     {"stats", py_stats, METH_NOARGS, "{'fast': launches through templates, 'slow': through Python, 'templates'}"},
     {"compose", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_compose)), METH_FASTCALL,
      "compose(result, lora, magnitude, norm, bias, scale, eps, out_dtype, discard) -> y"},
-    {"compose_b", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_compose_b)), METH_FASTCALL,
-     "compose_b(result, h, lora_b, magnitude, norm, bias, scale, eps, out_dtype or None, discard) -> y"},
     {"dora_linear", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_dora_linear)), METH_FASTCALL,
      "dora_linear(x, weight, bias, lora_a, lora_b, magnitude, norm, scale, eps, discard, dm_from_y) -> y"},
     {nullptr, nullptr, 0, nullptr}};

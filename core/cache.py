@@ -1,0 +1,181 @@
+"""The norm cache: its key, its epoch and its storage, for the single-device and the distributed paths alike.
+
+A DoRA layer's row norm ``||W + s B A||`` depends only on ``W, A, B, s``; within one optimizer step (every
+gradient-accumulation micro-batch, every checkpoint recomputation) none of them changes, so a cached norm is exact
+as long as its key sees every change:
+
+- **epoch**: a process-wide counter bumped after EVERY ``torch.optim.Optimizer.step`` (a global step post-hook: it
+  fires for plain, fused and foreach optimizers, for the torch optimizer inside DeepSpeed's ZeRO wrapper, under
+  accelerate / HF Trainer, and for FSDP1 / FSDP2 optimizers), after every ``load_state_dict`` of a module holding a
+  fastdora magnitude, and by :func:`invalidate`. Fused optimizers and ZeRO write parameters without bumping their
+  version counters; the epoch catches those updates. ``load_epoch`` moves only on loads and :func:`invalidate` (the
+  frozen base norm ``||W||^2`` is keyed on it).
+- **single device**: ``(epoch, (data_ptr, _version, shape, stride, dtype, device) of W, A, B, s)``: any in-place
+  change (``merge``, edits under ``no_grad``) or storage swap (``.data =``, ``.to()``) changes it.
+- **distributed** (``torch.distributed`` initialized): ``(epoch, (_version, logical shape, dtype, device) per tensor,
+  s)``, no storage address: FSDP2 frees and re-allocates the unsharded storage at every all-gather (the allocator can
+  hand back the same address) and keeps ``_version == 0`` across steps, ZeRO-2/3 write updated weights through
+  ``.data``, FSDP1 rebuilds its views at every unshard. Between two epoch bumps a parameter's VALUE cannot change
+  (re-gathering moves bytes, it does not change them), so a hit is exact; the key is the same on every rank, so
+  misses (which may run a collective) happen on all ranks together.
+
+Entries live in plain ``_fastdora_norm`` (adapter -> (key, norm)) and ``_fastdora_base`` ((key, ||W||^2)) attributes
+of the magnitude module: never parameters or buffers (PEFT's checkpoints and dtype tests depend on that).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .stats import record
+
+__all__ = ["epoch", "invalidate", "ensure_step_hook", "keys", "local_key", "tensor_key", "get", "base", "put",
+           "clear", "drop_from_state", "ATTRS"]
+
+_EPOCH = 0  # bumped after every optimizer step / load_state_dict / invalidate()
+_LOAD_EPOCH = 0  # bumped on load_state_dict / invalidate() only (the frozen base weight's norm)
+_STEP_HOOK = None
+
+#: the magnitude module's attributes that hold cache state (dropped by pickling / deep copies and ``disable``)
+ATTRS = ("_fastdora_norm", "_fastdora_base", "_fastdora_graphs")
+
+
+def epoch() -> int:
+    return _EPOCH
+
+
+def invalidate() -> None:
+    """Drop every cached norm (process-wide). Needed only after writing parameters through ``.data`` outside an
+    optimizer step and outside ``load_state_dict`` (such writes bump no version counter)."""
+    global _EPOCH, _LOAD_EPOCH
+    _EPOCH += 1
+    _LOAD_EPOCH += 1
+
+
+def _after_optimizer_step(optimizer, args, kwargs) -> None:
+    global _EPOCH
+    _EPOCH += 1
+
+
+def _after_load_state_dict(module, incompatible_keys) -> None:
+    invalidate()
+
+
+def ensure_step_hook() -> None:
+    """Register (once per process) the optimizer-step post-hook that bumps :func:`epoch`."""
+    global _STEP_HOOK
+    if _STEP_HOOK is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _STEP_HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
+
+
+def _ensure_hooks(mag: nn.Module) -> None:
+    if _STEP_HOOK is None:
+        ensure_step_hook()
+    if not mag.__dict__.get("_fastdora_load_hook"):
+        mag.register_load_state_dict_post_hook(_after_load_state_dict)
+        mag.__dict__["_fastdora_load_hook"] = True
+
+
+# ---------------------------------------------------------------------------------------------------------- keys
+
+
+def _tkey(t: torch.Tensor):
+    """Identity + version of a tensor's contents: any in-place change or storage swap changes it."""
+    try:
+        version = t._version
+    except RuntimeError:  # inference tensors have no version counter: never cache them
+        return None
+    return (t.data_ptr(), version, tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+def local_key(weight_src: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float):
+    """``(key, wkey)`` outside distributed engines (``key`` None: not cacheable): the epoch plus W, A, B identity and
+    versions; ``wkey`` keys the base norm of ``W`` alone."""
+    wkey, akey, bkey = _tkey(weight_src), _tkey(lora_A), _tkey(lora_B)
+    key = None if (akey is None or bkey is None) else (_EPOCH, wkey, akey, bkey, float(scale))
+    return key, wkey
+
+
+def _logical_shape(t: torch.Tensor) -> tuple:
+    ds_shape = getattr(t, "ds_shape", None)  # ZeRO-3: the placeholder's .shape is (0,) while partitioned
+    return tuple(ds_shape) if ds_shape is not None else tuple(t.shape)
+
+
+def tensor_key(t: torch.Tensor):
+    """Engine-safe per-tensor key: no storage address (gathers move storage), the logical shape (ZeRO-3)."""
+    try:
+        version = t._version
+    except RuntimeError:  # inference tensors: never cache
+        return None
+    return (version, _logical_shape(t), t.dtype, t.device.type)
+
+
+def _dist_keys(weight_src: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float):
+    tkeys = (tensor_key(weight_src), tensor_key(lora_A), tensor_key(lora_B))
+    key = None if any(k is None for k in tkeys) else ("dist", _EPOCH, tkeys, float(scale))
+    # a frozen base weight only changes by load_state_dict / invalidate(); a trainable one at every step too
+    wkey = None if tkeys[0] is None else ("dist-base", _LOAD_EPOCH, _EPOCH if weight_src.requires_grad else None,
+                                          tkeys[0])
+    return key, wkey
+
+
+def keys(mag: nn.Module, weight_src: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float,
+         distributed: bool):
+    """``(key, wkey)`` of ``mag``'s cache for these tensors (see the module docstring); either may be None (not
+    cacheable). Registers the epoch's hooks on first use."""
+    _ensure_hooks(mag)
+    if distributed:
+        return _dist_keys(weight_src, lora_A, lora_B, scale)
+    return local_key(weight_src, lora_A, lora_B, scale)
+
+
+# -------------------------------------------------------------------------------------------------------- storage
+
+
+def get(mag: nn.Module, adapter: Optional[str], key) -> Optional[torch.Tensor]:
+    """The cached norm of ``adapter`` under ``key``, or None; a hit is counted as ``norm:cached``."""
+    if key is None:
+        return None
+    cache = mag.__dict__.get("_fastdora_norm")
+    hit = cache.get(adapter) if cache else None
+    if hit is not None and hit[0] == key:
+        record("norm:cached")
+        return hit[1]
+    return None
+
+
+def base(mag: nn.Module, wkey) -> Optional[torch.Tensor]:
+    """The cached ``||W||^2`` per row under ``wkey``, or None."""
+    entry = mag.__dict__.get("_fastdora_base")
+    return entry[1] if (wkey is not None and entry is not None and entry[0] == wkey) else None
+
+
+def put(mag: nn.Module, adapter: Optional[str], key, norm: torch.Tensor, wkey, base_sq: torch.Tensor,
+        base_was_cached: bool) -> None:
+    """Store a computed norm (and the base norm it used); counts ``norm:computed`` or ``norm:computed_base_cached``."""
+    record("norm:computed_base_cached" if base_was_cached else "norm:computed")
+    if key is None:
+        return
+    mag.__dict__["_fastdora_base"] = (wkey, base_sq)
+    mag.__dict__.setdefault("_fastdora_norm", {})[adapter] = (key, norm)
+
+
+def clear(mag: nn.Module) -> None:
+    """Forget ``mag``'s cached norms (merge / unmerge / ``enable`` again)."""
+    mag.__dict__["_fastdora_norm"] = {}
+    mag.__dict__["_fastdora_base"] = None
+    mag.__dict__["_fastdora_graphs"] = {}
+
+
+def drop_from_state(state: dict) -> dict:
+    """``state`` (a module ``__dict__`` for pickling / deep copies) without cache entries: the copy recomputes them."""
+    state = dict(state)
+    for name, empty in zip(ATTRS, ({}, None, {})):
+        if name in state:
+            state[name] = empty
+    return state

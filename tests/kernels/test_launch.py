@@ -1,0 +1,166 @@
+"""The low-overhead Triton launcher (``fastdora.kernels._launch``): the first launch of every specialisation goes
+through the JIT, later ones through the compiled kernel, and anything Triton specialises on starts a new entry.
+
+The fast path itself needs a GPU (``tests/kernels/test_kernels_gpu.py`` runs every kernel through it); here a
+stand-in JIT function records which way each launch went.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+launch = pytest.importorskip("fastdora.kernels._launch")
+
+
+class _Compiled:
+    function = "fn-handle"
+    packed_metadata = "packed"
+
+    def __init__(self, log):
+        self.log = log
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, g0, g1, g2, stream, function, packed, meta, enter, exit_, *args):
+        assert (function, packed, stream) == ("fn-handle", "packed", 7)
+        self.log.append(("fast", (g0, g1, g2), args))
+
+
+class _Jit:
+    def __init__(self, compiled_cls=_Compiled):
+        self.log = []
+        self.compiled_cls = compiled_cls
+
+    def __getitem__(self, grid):
+        def run(*args, num_warps):
+            self.log.append(("jit", grid, args, num_warps))
+            return self.compiled_cls(self.log)
+
+        return run
+
+
+def _fast_launcher(monkeypatch, knobs, compiled_cls):
+    """A Launcher on the fast path over a stand-in JIT whose compiled kernels are ``compiled_cls``."""
+    monkeypatch.setattr(launch, "_raw_stream", lambda dev: 7)
+    monkeypatch.setattr(launch, "_knobs", knobs)
+    fn = _Jit(compiled_cls)
+    launcher = launch.Launcher(fn)
+    launcher.fast = True  # the stand-in is no JITFunction
+    return fn, launcher
+
+
+class _Knobs:
+    class runtime:
+        launch_enter_hook = None
+        launch_exit_hook = None
+
+
+def test_first_launch_per_specialisation_compiles_then_reuses(monkeypatch):
+    fn, launcher = _fast_launcher(monkeypatch, _Knobs, _Compiled)
+    a = torch.zeros(64)
+    b = torch.zeros(64, dtype=torch.bfloat16)
+    calls = [
+        ((2,), (a, b), (64,), (0.5,), (True, 16), 4, "jit"),
+        ((3, 2), (a, b), (64,), (0.7,), (True, 16), 4, "fast"),  # same specialisation (floats are not specialised)
+        ((3,), (a, b), (48,), (0.7,), (True, 16), 4, "fast"),  # 48: still a multiple of 16 in int32
+        ((3,), (a, b), (1,), (0.7,), (True, 16), 4, "jit"),  # == 1
+        ((3,), (a, b), (40,), (0.7,), (True, 16), 4, "jit"),  # not a multiple of 16
+        ((3,), (a, b), (2**31,), (0.7,), (True, 16), 4, "jit"),  # int64
+        ((3,), (a[1:], b), (64,), (0.7,), (True, 16), 4, "jit"),  # pointer not 16-byte aligned
+        ((3,), (a, a), (64,), (0.7,), (True, 16), 4, "jit"),  # dtype
+        ((3,), (a, b), (64,), (0.7,), (False, 16), 4, "jit"),  # constexpr value
+        ((3,), (a, b), (64,), (0.7,), (True, 16), 8, "jit"),  # num_warps
+        ((3,), (a, b), (40,), (0.7,), (True, 16), 4, "fast"),  # cached above
+    ]
+    for grid, tensors, ints, floats, consts, warps, _ in calls:
+        launcher(grid, tensors, ints, floats, consts, warps)
+    assert [e[0] for e in fn.log] == [c[-1] for c in calls]
+    # JIT launches get every argument positionally (pointers, ints, floats, constexprs); fast ones a 3-D grid too
+    kind, grid, args, warps = fn.log[0]
+    assert grid == (2, 1, 1) and warps == 4 and len(args) == 6 and args[0] is a and args[2:] == (64, 0.5, True, 16)
+    # fast launches: the pointers as integers (Triton's launcher takes them as they are), then the rest
+    kind, grid, args = fn.log[1]
+    assert grid == (3, 2, 1) and args == (a.data_ptr(), b.data_ptr(), 64, 0.7, True, 16)
+
+
+def test_fast_launch_passes_tensors_to_launch_hooks(monkeypatch):
+    """With a launch hook installed (a profiler), the fast path hands it the tensors and Triton's launch metadata,
+    as a JIT launch would."""
+    seen = []
+
+    class _HookKnobs:
+        class runtime:
+            launch_enter_hook = staticmethod(lambda meta: seen.append(meta))
+            launch_exit_hook = None
+
+    class _MetaCompiled(_Compiled):
+        def launch_metadata(self, grid, stream, *args):
+            return ("meta", grid, args)
+
+        def run(self, g0, g1, g2, stream, function, packed, meta, enter, exit_, *args):
+            enter(meta)
+            self.log.append(("fast", (g0, g1, g2), args))
+
+    fn, launcher = _fast_launcher(monkeypatch, _HookKnobs, _MetaCompiled)
+    a = torch.zeros(64)
+    for _ in range(2):
+        launcher((2,), (a,), (64,), (0.5,), (True,), 4)
+    assert [e[0] for e in fn.log] == ["jit", "fast"]
+    assert fn.log[1][2][0] is a and seen == [("meta", (2, 1, 1), (a, 64, 0.5, True))]
+
+
+def test_empty_hook_chains_count_as_no_hooks(monkeypatch):
+    """Triton >= 3.5 keeps (empty) hook chains in ``knobs.runtime``: those are no hooks (no metadata, none passed),
+    a chain with a hook in it is one."""
+
+    class _Chain:
+        def __init__(self, calls):
+            self.calls = calls
+
+        def __call__(self, meta):
+            for c in self.calls:
+                c(meta)
+
+    seen = []
+
+    class _ChainKnobs:
+        class runtime:
+            launch_enter_hook = _Chain([])
+            launch_exit_hook = _Chain([])
+
+    class _HookCompiled(_Compiled):
+        def launch_metadata(self, grid, stream, *args):
+            return "meta"
+
+        def run(self, g0, g1, g2, stream, function, packed, meta, enter, exit_, *args):
+            self.log.append(("fast", meta, enter, args[0]))
+            if enter is not None:
+                enter(meta)
+
+    fn, launcher = _fast_launcher(monkeypatch, _ChainKnobs, _HookCompiled)
+    a = torch.zeros(64)
+    for _ in range(2):
+        launcher((2,), (a,), (64,), (0.5,), (True,), 4)
+    assert fn.log[1] == ("fast", None, None, a.data_ptr())
+    _ChainKnobs.runtime.launch_enter_hook.calls.append(seen.append)
+    launcher((2,), (a,), (64,), (0.5,), (True,), 4)
+    assert fn.log[2][1] == "meta" and fn.log[2][3] is a and seen == ["meta"]
+
+
+def test_not_fast_launches_everything_through_the_jit():
+    fn = _Jit()
+    launcher = launch.Launcher(fn)
+    assert launcher.fast is False  # not a JITFunction
+    for _ in range(3):
+        launcher((1,), (torch.zeros(4),), (4,), (), (True,), 4)
+    assert [e[0] for e in fn.log] == ["jit"] * 3
+
+
+def test_fast_launch_detected_for_the_installed_triton():
+    triton = pytest.importorskip("triton")
+    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
+    if (major, minor) >= (3, 4):
+        # Triton 3.4 ... 3.9 pass every bound argument (constexprs included) to CompiledKernel.run
+        assert launch.FAST_LAUNCH
