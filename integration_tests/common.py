@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
@@ -22,7 +23,7 @@ LOSS_ATOL = 1e-4
 #: logits of the trained model (in the training process, with fastdora) vs the saved adapter loaded in stock PEFT
 LOGITS_ATOL = 1e-4
 
-REPORT_FILE = "fastdora_report.json"
+REPORT_FILE = "fastdora_report.json"  # rank 0's; rank N writes fastdora_report.rank<N>.json (rank_report_file)
 PROBE_FILE = "probe_logits.pt"
 
 
@@ -86,24 +87,41 @@ def check_losses(fast: list, stock: list, what: str, atol: float = LOSS_ATOL, mu
     return diff
 
 
-def check_report(output_dir: str, what: str, expect_keys=("linear:",)) -> dict:
-    path = os.path.join(output_dir, REPORT_FILE)
-    assert os.path.exists(path), f"{what}: {path} missing: the plugin did not write its report"
+def rank_report_file(rank: int) -> str:
+    """The plugins' report of one rank: ``fastdora_report.json`` (rank 0), ``fastdora_report.rank<N>.json``."""
+    return REPORT_FILE if rank == 0 else f"fastdora_report.rank{rank}.json"
+
+
+def check_report(output_dir: str, what: str, expect_keys=("linear:",), rank: int = 0) -> dict:
+    path = os.path.join(output_dir, rank_report_file(rank))
+    assert os.path.exists(path), f"{what}: {path} missing: the plugin did not write rank {rank}'s report"
     with open(path, encoding="utf-8") as f:
         rep = json.load(f)
     counter = rep.get("active_path_counter", {})
     assert rep.get("enabled") and rep.get("fastdora_layers", 0) > 0, f"{what}: no layer runs fastdora: {rep}"
     assert sum(counter.values()) > 0, f"{what}: fastdora's path never ran in the training process: {rep}"
+    assert rep.get("rank", 0) == rank, f"{what}: {path} was written by rank {rep.get('rank')}"
     for prefix in expect_keys:
         assert any(k.startswith(prefix) for k in counter), f"{what}: no {prefix}* path in {counter}"
-    log(f"{what}: {rep.get('report')}; path counter in the training process {counter} (pid {rep.get('pid')})")
+    log(f"{what}: rank {rank}: {rep.get('report')}; path counter in the training process {counter} "
+        f"(pid {rep.get('pid')})")
     return rep
 
 
+def check_rank_reports(output_dir: str, what: str, world_size: int, expect_keys=("linear:",)) -> list:
+    """Every rank of a multi-process run wrote its own report, each with converted layers that ran fastdora, from
+    distinct processes; returns them in rank order."""
+    reps = [check_report(output_dir, what, expect_keys, rank=r) for r in range(world_size)]
+    pids = [rep.get("pid") for rep in reps]
+    assert len(set(pids)) == world_size, f"{what}: the reports come from processes {pids}, not {world_size} ranks"
+    assert all(rep.get("world_size") == world_size for rep in reps), [rep.get("world_size") for rep in reps]
+    return reps
+
+
 def check_no_report(output_dir: str, what: str) -> None:
-    path = os.path.join(output_dir, REPORT_FILE)
-    assert not os.path.exists(path), f"{what}: {path} exists although fastdora was not switched on"
-    log(f"{what}: no {REPORT_FILE} (fastdora not used)")
+    found = sorted(glob.glob(os.path.join(output_dir, "fastdora_report*.json")))
+    assert not found, f"{what}: {found} exist although fastdora was not switched on"
+    log(f"{what}: no fastdora_report*.json (fastdora not used)")
 
 
 def stock_logits(python: str, base: str, adapter: str, out: str, env=None) -> None:
@@ -163,6 +181,7 @@ def write_summary(work: str, name: str, summary: dict) -> None:
 
 __all__ = [
     "HERE", "REPO", "PROBE_TEXT", "LOSS_ATOL", "LOGITS_ATOL", "REPORT_FILE", "PROBE_FILE", "log", "run", "tiny",
-    "losses_from_state", "find_trainer_state", "check_losses", "check_report", "check_no_report", "stock_logits",
-    "compare_logits", "write_config", "write_summary", "make_init_adapter",
+    "losses_from_state", "find_trainer_state", "check_losses", "check_report", "check_rank_reports",
+    "check_no_report", "rank_report_file", "stock_logits", "compare_logits", "write_config", "write_summary",
+    "make_init_adapter",
 ]

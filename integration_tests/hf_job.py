@@ -7,8 +7,9 @@ DoRA (r=8) on all Llama linear layers (+ the input embedding for --trainer hf), 
 (or the first GPU when present), fixed seed. Without --fastdora, fastdora is never imported in this process.
 Writes OUT/losses.json, OUT/adapter/ (save_model), OUT/probe_logits.pt and OUT/probe_meta.json (probe.py) and, with
 --fastdora, OUT/fastdora_report.json (written by the plugin). With --fsdp2 (HF Trainer sharded by accelerate's FSDP2,
-one unit per decoder layer, linear targets only): OUT/losses.json (rank 0) and the plugin's report; no probe forward
-and no adapter save (both would need every rank).
+one unit per decoder layer, linear targets only): OUT/losses.json (rank 0) and the plugin's report of each rank
+(fastdora_report.json from rank 0, fastdora_report.rank1.json from rank 1); no probe forward and no adapter save
+(both would need every rank).
 """
 
 from __future__ import annotations

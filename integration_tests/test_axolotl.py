@@ -8,8 +8,10 @@ Two runs, same seed, DoRA on all linear layers, gradient checkpointing, fp32 on 
   kernels for LoRA adapters; the plugin must switch them off for DoRA and say so in the log);
 - stock: no fastdora plugin, ``lora_*_kernel: false`` (stock PEFT DoRA is the reference).
 Asserts: fastdora_report.json with counter > 0 (written in the training process), the plugin's log line about the
-kernels, losses equal within LOSS_ATOL, the saved adapter in stock PEFT (fresh process) gives the trained model's
-logits, and without the plugin fastdora is never imported in the training process.
+kernels, its one ``fastdora: on, converted ...`` line and no warning about foreign instance-level forwards (fastdora's
+own lean forward is not one), losses equal within LOSS_ATOL, the saved adapter in stock PEFT (fresh process) gives the
+trained model's logits, and without the plugin fastdora is never imported in the training process. A third run with a
+misspelled ``fast_dora_kernal`` key must fail at config load, naming the key.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -29,7 +32,7 @@ from common import (  # noqa: E402
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 KERNEL_KEYS = ("lora_qkv_kernel", "lora_o_kernel", "lora_mlp_kernel", "lora_embedding_kernel")
 OPTION_KEYS = {"kernels": "fast_dora_kernels", "legacy_embedding_compose": "fast_dora_legacy_embedding_compose",
-               "cache_norm": "fast_dora_cache_norm", "norm_budget_mb": "fast_dora_norm_budget_mb"}
+               "dm_from_output": "fast_dora_dm_from_output"}
 
 
 def config(paths: dict, out: str, prepared: str, fastdora: bool, options: dict) -> str:
@@ -82,6 +85,21 @@ def config(paths: dict, out: str, prepared: str, fastdora: bool, options: dict) 
     return write_config(out, lines)
 
 
+def check_misspelled_key(paths: dict, work: str, env: dict, bindir: str, options: dict) -> None:
+    out = os.path.join(work, "axolotl_misspelled")
+    shutil.rmtree(out, ignore_errors=True)
+    cfg = config(paths, out, os.path.join(work, "prepared_misspelled"), True, options)
+    with open(cfg, "a", encoding="utf-8") as f:
+        f.write("fast_dora_kernal: eager\n")
+    proc = subprocess.run([os.path.join(bindir, "axolotl"), "train", cfg], env={**os.environ, **env},
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert proc.returncode != 0 and "fast_dora_kernal" in proc.stdout and "fast_dora_kernels" in proc.stdout, \
+        "a misspelled fast_dora_ key did not fail naming it:\n" + proc.stdout[-3000:]
+    assert not os.path.exists(os.path.join(out, "fastdora_report.json")), "training ran despite the bad key"
+    line = next((ln for ln in proc.stdout.splitlines() if "unknown config key" in ln), "")
+    log(f"Axolotl misspelled key: fails as expected: {line.strip()[:200]}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("work")
@@ -116,6 +134,8 @@ def main() -> None:
     text = open(logp, encoding="utf-8", errors="replace").read()
     assert "fastdora (register): DoRA config: set" in text, "the plugin did not log switching the LoRA kernels off"
     assert "LoRA kernels: DoRA enabled" not in text, "Axolotl's fused LoRA kernels were applied to the DoRA model"
+    assert "instance-level forward" not in text, "the plugin took fastdora's own forward for a foreign one"
+    assert "fastdora: on, converted" in text, "the plugin's 'fastdora: on, converted ...' line is not in the log"
     line = next(ln for ln in text.splitlines() if "fastdora (register)" in ln)
     log(f"{what}: plugin log: {line.strip()[-200:]}")
     with open(os.path.join(out, "probe_meta.json")) as f:
@@ -133,8 +153,10 @@ def main() -> None:
     stock_out = os.path.join(out, "stock_peft_logits.pt")
     stock_logits(sys.executable, paths["model"], out, stock_out, env={"HF_HUB_OFFLINE": "1"})
     logit_diff = compare_logits(os.path.join(out, PROBE_FILE), stock_out, what)
+    check_misspelled_key(paths, a.work, env, bindir, options)
     write_summary(a.work, "axolotl", {"loss_max_abs_diff": loss_diff, "logits_max_abs_diff": logit_diff,
-                                      "path_counter": rep["active_path_counter"], "fastdora_layers": rep["fastdora_layers"],
+                                      "path_counter": rep["active_path_counter"],
+                                      "fastdora_layers": rep["fastdora_layers"],
                                       "seconds": {k: round(v, 1) for k, v in times.items()}})
     log("PASS: Axolotl")
 

@@ -11,8 +11,10 @@ For each trainer: one run with the callback, one without (same seed, separate pr
   logits within LOGITS_ATOL,
 - without the callback nothing of fastdora runs (no report, fastdora never imported, no converted layer).
 ``fsdp2``: the HF Trainer run under torchrun with 2 processes (gloo on CPU) and accelerate's FSDP2 (one unit per
-decoder layer), with and without the callback: fastdora's path ran, the norm was computed exactly once per layer per
-optimizer step, the loss curves agree within LOSS_ATOL, and nothing of fastdora ran without the callback.
+decoder layer), with and without the callback: each rank wrote its own report (``fastdora_report.json`` on rank 0,
+``fastdora_report.rank1.json`` on rank 1) showing converted layers on which fastdora's path ran, the norm was
+computed exactly once per layer per optimizer step on each rank, the loss curves agree within LOSS_ATOL, and nothing
+of fastdora ran without the callback.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
-    HERE, PROBE_FILE, check_losses, check_no_report, check_report, compare_logits, log, run, stock_logits, tiny,
-    write_summary,
+    HERE, PROBE_FILE, check_losses, check_no_report, check_rank_reports, check_report, compare_logits, log, run,
+    stock_logits, tiny, write_summary,
 )
 
 DATA = {"hf": "text", "sft": "text", "dpo": "preference"}
@@ -81,19 +83,22 @@ def one_fsdp2(work: str, paths: dict, plugin_options: str, steps: int = 4) -> di
             cmd += ["--fastdora", "--fastdora-options", plugin_options]
         times[mode] = run(cmd, log_path=os.path.join(work, f"fsdp2_{mode}.log"))
         out[mode] = d
-    rep = check_report(out["fastdora"], what)
+    reps = check_rank_reports(out["fastdora"], what, world_size=2)  # every rank converts and runs its own model
     check_no_report(out["stock"], what + " (no callback)")
     fast = json.load(open(os.path.join(out["fastdora"], "losses.json")))
     stock = json.load(open(os.path.join(out["stock"], "losses.json")))
     assert fast["world_size"] == 2 and stock["world_size"] == 2, (fast["world_size"], stock["world_size"])
     assert not stock["final_state"]["fastdora_imported"], f"{what}: fastdora imported without the callback"
-    counter = rep["active_path_counter"]
-    computed = counter.get("norm:computed", 0) + counter.get("norm:computed_base_cached", 0)
-    assert computed == rep["fastdora_layers"] * steps, \
-        f"{what}: norm computed {computed} times for {rep['fastdora_layers']} layers x {steps} steps: {counter}"
+    for rank, rep in enumerate(reps):
+        counter = rep["active_path_counter"]
+        computed = counter.get("norm:computed", 0) + counter.get("norm:computed_base_cached", 0)
+        assert computed == rep["fastdora_layers"] * steps, \
+            f"{what}: rank {rank}: norm computed {computed} times for {rep['fastdora_layers']} layers x {steps} " \
+            f"steps: {counter}"
     diff = check_losses(fast["losses"], stock["losses"], what)
-    return {"trainer": what, "loss_max_abs_diff": diff, "path_counter": counter,
-            "fastdora_layers": rep["fastdora_layers"], "seconds": {k: round(v, 1) for k, v in times.items()}}
+    return {"trainer": what, "loss_max_abs_diff": diff, "path_counter": [rep["active_path_counter"] for rep in reps],
+            "fastdora_layers": [rep["fastdora_layers"] for rep in reps],
+            "seconds": {k: round(v, 1) for k, v in times.items()}}
 
 
 def main() -> None:

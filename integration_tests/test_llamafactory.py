@@ -5,11 +5,13 @@ after ``python -m fastdora.plugins.llamafactory install``.
 usage: python test_llamafactory.py WORK_DIR [--plugin-options JSON] [--skip-torchrun]
 
 Runs (same seed, SFT, DoRA on all linear layers, LLaMA-Factory's gradient checkpointing, fp32 on CPU):
-  single/fastdora, single/stock (no key), torchrun/fastdora, torchrun/stock, plus two runs that must fail fast:
-  a misspelled key and a bad value.
-Asserts: fastdora_report.json (written in the training process; under torchrun by rank 0, whose pid differs
-from the launcher's) with counter > 0; losses equal within LOSS_ATOL; the saved adapter in stock PEFT (fresh
-process) gives the trained model's logits; without the key no layer is converted and the counter stays 0.
+  single/fastdora, single/stock (no key), torchrun/fastdora, torchrun/stock, plus three runs that must fail fast:
+  a misspelled switch, a misspelled option and a bad value; and ``llamafactory-cli export`` of the trained adapter
+  with ``use_fast_dora: true`` (LLaMA-Factory merges the adapter: fastdora must not warn about a model without DoRA).
+Asserts: fastdora_report.json (written in the training process; under torchrun each rank writes its own,
+fastdora_report.json by rank 0 and fastdora_report.rank1.json by rank 1, from two processes) with counter > 0; losses
+equal within LOSS_ATOL; the saved adapter in stock PEFT (fresh process) gives the trained model's logits; without
+the key no layer is converted and the counter stays 0.
 """
 
 from __future__ import annotations
@@ -23,12 +25,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
-    HERE, PROBE_FILE, check_losses, check_no_report, check_report, compare_logits, find_trainer_state, log,
-    losses_from_state, run, stock_logits, tiny, write_config, write_summary,
+    HERE, PROBE_FILE, check_losses, check_no_report, check_rank_reports, check_report, compare_logits,
+    find_trainer_state, log, losses_from_state, run, stock_logits, tiny, write_config, write_summary,
 )
 
 OPTION_KEYS = {"kernels": "fast_dora_kernels", "legacy_embedding_compose": "fast_dora_legacy_embedding_compose",
-               "cache_norm": "fast_dora_cache_norm", "norm_budget_mb": "fast_dora_norm_budget_mb"}
+               "dm_from_output": "fast_dora_dm_from_output"}
 
 
 def config(paths: dict, out: str, extra: list) -> str:
@@ -69,6 +71,29 @@ def config(paths: dict, out: str, extra: list) -> str:
     return write_config(out, lines)
 
 
+def check_export(cli: str, env: dict, paths: dict, adapter: str, export_dir: str) -> float:
+    """``llamafactory-cli export`` of the trained DoRA adapter with ``use_fast_dora: true`` left in the YAML:
+    LLaMA-Factory merges the adapter inside ``init_adapter``, so the model fastdora sees has no DoRA layer; that is
+    expected there and must not produce fastdora's "no DoRA layer" warning."""
+    shutil.rmtree(export_dir, ignore_errors=True)
+    cfg = write_config(export_dir, [
+        f"model_name_or_path: {paths['model']}",
+        f"adapter_name_or_path: {adapter}",
+        "template: default",
+        "finetuning_type: lora",
+        f"export_dir: {export_dir}",
+        "export_device: cpu",
+        "use_fast_dora: true",
+    ])
+    logp = export_dir + ".log"
+    dt = run([cli, "export", cfg], env=env, log_path=logp, timeout=600)
+    text = open(logp, encoding="utf-8", errors="replace").read()
+    assert "no DoRA layer" not in text, "fastdora warned about a model without DoRA on export:\n" + text[-3000:]
+    assert os.path.exists(os.path.join(export_dir, "config.json")), f"export wrote no model into {export_dir}"
+    log(f"LLaMA-Factory export with use_fast_dora: true: merged model in {export_dir}, no fastdora warning")
+    return dt
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("work")
@@ -97,6 +122,8 @@ def main() -> None:
     # 1. wrong key / wrong value fail fast with LLaMA-Factory's own errors
     for name, extra, needle in [
         ("misspelled_key", ["use_fastdora: true"], "are not used by the HfArgumentParser"),
+        ("misspelled_option", ["use_fast_dora: true", "fast_dora_kernal: eager"],
+         "are not used by the HfArgumentParser"),
         ("bad_value", ["use_fast_dora: maybe"], "use_fast_dora must be true or false"),
     ]:
         out = os.path.join(a.work, f"lf_{name}")
@@ -121,7 +148,10 @@ def main() -> None:
                                               log_path=out + ".log", timeout=1200)
             outs[run_kind] = out
         what = f"LLaMA-Factory ({mode})"
-        rep = check_report(outs["fastdora"], what)
+        if mode == "torchrun":  # each worker converts its own model and writes its own report
+            rep = check_rank_reports(outs["fastdora"], what, world_size=2)[0]
+        else:
+            rep = check_report(outs["fastdora"], what)
         with open(os.path.join(outs["fastdora"], "probe_meta.json")) as f:
             meta_fast = json.load(f)
         assert meta_fast["converted_layers"] > 0 and meta_fast["path_counter_total"] > 0, meta_fast
@@ -142,6 +172,8 @@ def main() -> None:
         summary[mode] = {"loss_max_abs_diff": loss_diff, "logits_max_abs_diff": logit_diff,
                          "path_counter": rep["active_path_counter"], "fastdora_layers": rep["fastdora_layers"],
                          "world_size": meta_fast["world_size"]}
+        if mode == "single":
+            times["export"] = check_export(cli, env, paths, outs["fastdora"], os.path.join(a.work, "lf_export"))
     summary["seconds"] = {k: round(v, 1) for k, v in times.items()}
     write_summary(a.work, "llamafactory", summary)
     log("PASS: LLaMA-Factory " + ", ".join(m for m, _ in modes))

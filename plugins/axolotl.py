@@ -9,33 +9,46 @@ In the training YAML (the exact lines)::
     # optional, each defaults to the core's default (FASTDORA_* environment variables apply):
     fast_dora_kernels: auto                    # auto | triton | eager
     fast_dora_legacy_embedding_compose: false  # PEFT 0.13-0.17 embedding DoRA composition
-    fast_dora_cache_norm: true
-    fast_dora_norm_budget_mb: 16
+    fast_dora_dm_from_output: true             # false if the model edits a DoRA layer's output in place
 
 What the plugin does, in the process that trains (``axolotl train`` re-launches itself with accelerate; plugins are
 loaded again in the child):
 
-- ``register`` (raw config, before Axolotl validates it) and again ``pre_model_load``: for a DoRA config
+- ``register`` (raw config, before Axolotl validates it): a ``fast_dora_*`` key that is not one of the three above
+  (or a ``fastdora_*`` / ``use_fast_dora`` look-alike) is an error naming it and the valid keys; then, and again at
+  ``pre_model_load`` (which also validates the options' values): for a DoRA config
   (``peft_use_dora: true`` with ``adapter: lora``/``qlora``) it switches OFF Axolotl's fused LoRA kernels
   (``lora_qkv_kernel``, ``lora_o_kernel``, ``lora_mlp_kernel``, ``lora_embedding_kernel``). Axolotl auto-enables them
   for LoRA adapters, and their DoRA path replaces the attention / MLP / embedding forwards and so bypasses PEFT's DoRA
   layers (and fastdora with them). It logs which keys it changed; a key the user set to ``true`` is overridden
   with a warning.
-- ``post_lora_load`` / ``post_model_load``: ``fastdora.enable(model, **options)`` (idempotent) and logs the report.
+- ``post_lora_load`` / ``post_model_load``: ``fastdora.enable(model, **options)`` (idempotent); one line per process
+  says what was converted. ``post_model_load`` also warns when a DoRA module carries a foreign instance-level
+  ``forward`` (:func:`check_foreign_forwards`; fastdora's own is recognised).
 - ``add_callbacks_pre_trainer``: adds :class:`fastdora.plugins.hf.FastDoraCallback` with the same options, which
-  re-checks the model at ``on_train_begin`` and writes ``fastdora_report.json`` into ``output_dir`` at the end.
+  re-checks the model at ``on_train_begin`` and writes ``fastdora_report.json`` into ``output_dir`` at the end
+  (``fastdora_report.rank<N>.json`` from rank N of a multi-process run).
 
 ``axolotl`` and ``pydantic`` are imported only when ``FastDoraPlugin`` / ``FastDoraArgs`` are looked up.
 """
 
 from __future__ import annotations
 
+import difflib
 import logging
 from typing import Any
 
-from ._common import collect_options, enable_on
+from ._common import announce, collect_options, enable_on, foreign_forward_modules
 
-__all__ = ["FastDoraPlugin", "FastDoraArgs", "AXOLOTL_LORA_KERNEL_KEYS", "options_from_cfg"]
+__all__ = [  # noqa: F822 (FastDoraPlugin, FastDoraArgs: built on first access, module __getattr__)
+    "FastDoraPlugin",
+    "FastDoraArgs",
+    "AXOLOTL_LORA_KERNEL_KEYS",
+    "CFG_KEYS",
+    "options_from_cfg",
+    "check_cfg_keys",
+    "check_foreign_forwards",
+]
 
 #: Axolotl's fused LoRA kernels; each has its own DoRA path that bypasses PEFT's DoRA layer.
 AXOLOTL_LORA_KERNEL_KEYS = ("lora_qkv_kernel", "lora_o_kernel", "lora_mlp_kernel", "lora_embedding_kernel")
@@ -44,9 +57,11 @@ AXOLOTL_LORA_KERNEL_KEYS = ("lora_qkv_kernel", "lora_o_kernel", "lora_mlp_kernel
 CFG_KEYS = {
     "fast_dora_kernels": "kernels",
     "fast_dora_legacy_embedding_compose": "legacy_embedding_compose",
-    "fast_dora_cache_norm": "cache_norm",
-    "fast_dora_norm_budget_mb": "norm_budget_mb",
+    "fast_dora_dm_from_output": "dm_from_output",
 }
+
+#: former options, now internal settings of the core (not configurable from a training config)
+_FORMER_KEYS = ("fast_dora_cache_norm", "fast_dora_norm_budget_mb")
 
 
 def _get_logger():
@@ -71,6 +86,53 @@ def is_dora_cfg(cfg: Any) -> bool:
 
 def options_from_cfg(cfg: Any) -> dict:
     return collect_options(**{opt: _cfg_get(cfg, key) for key, opt in CFG_KEYS.items()})
+
+
+def _looks_like_ours(key: str) -> bool:
+    k = key.lower().replace("-", "_")
+    return k.startswith(("fast_dora_", "fastdora_")) or k in ("fast_dora", "fastdora", "use_fast_dora", "use_fastdora")
+
+
+def check_cfg_keys(cfg: Any) -> None:
+    """Raise ``ValueError`` for a config key that looks like the plugin's (``fast_dora_*``, ``fastdora_*``,
+    ``use_fast_dora``) but is not one of :data:`CFG_KEYS`; the message names the key(s) and the valid ones."""
+    try:
+        keys = [str(k) for k in cfg.keys()]
+    except AttributeError:
+        keys = [str(k) for k in vars(cfg)]
+    bad = sorted(k for k in keys if _looks_like_ours(k) and k not in CFG_KEYS)
+    if not bad:
+        return
+    hints = []
+    for k in bad:
+        if k in _FORMER_KEYS:
+            hints.append(f"{k} is no longer an option (fastdora sets it internally): remove it")
+        elif k.lower().replace("-", "_") in ("use_fast_dora", "use_fastdora", "fast_dora", "fastdora"):
+            hints.append(f"{k} is not an Axolotl key: listing fastdora.plugins.axolotl.FastDoraPlugin under "
+                         "plugins: is what switches fastdora on")
+        else:
+            close = difflib.get_close_matches(k.lower().replace("-", "_").replace("fastdora_", "fast_dora_"),
+                                              list(CFG_KEYS), n=1, cutoff=0.6)
+            if close:
+                hints.append(f"{k}: did you mean {close[0]}?")
+    raise ValueError(
+        f"fastdora: unknown config key(s) {bad} for the FastDoraPlugin; valid keys: {list(CFG_KEYS)}"
+        + (" (" + "; ".join(hints) + ")" if hints else "")
+    )
+
+
+def check_foreign_forwards(model: Any, log=None) -> list:
+    """Warn when DoRA modules of ``model`` carry an instance-level ``forward`` that is not fastdora's (something,
+    such as Axolotl's fused LoRA kernels, may bypass PEFT's DoRA path there). Returns the modules' names."""
+    bypass = foreign_forward_modules(model)
+    if bypass:
+        (log or _get_logger()).warning(
+            "fastdora: %d DoRA module(s) have an instance-level forward that is not fastdora's (e.g. %s): something "
+            "(such as Axolotl's fused LoRA kernels) may bypass PEFT's DoRA path; set lora_*_kernel: false.",
+            len(bypass),
+            bypass[0],
+        )
+    return bypass
 
 
 def switch_off_lora_kernels(cfg: Any, stage: str, log=None) -> dict:
@@ -120,11 +182,12 @@ def _build_args():
             default=None,
             json_schema_extra={"description": "compose DoRA embeddings as PEFT 0.13-0.17 did (no embed_scale)"},
         )
-        fast_dora_cache_norm: Optional[bool] = Field(
-            default=None, json_schema_extra={"description": "reuse the weight norm while W, A, B, s are unchanged"}
-        )
-        fast_dora_norm_budget_mb: Optional[float] = Field(
-            default=None, gt=0, json_schema_extra={"description": "working-set budget of the eager norm (MB)"}
+        fast_dora_dm_from_output: Optional[bool] = Field(
+            default=None,
+            json_schema_extra={
+                "description": "the magnitude's gradient from the layer's output (saves an activation per layer); "
+                "false if the model edits a DoRA layer's output in place"
+            },
         )
 
     FastDoraArgs.__module__ = __name__
@@ -148,6 +211,9 @@ def _build_plugin():
             return "fastdora.plugins.axolotl.FastDoraArgs"
 
         def register(self, cfg):  # raw config, before validation (before the LoRA-kernel auto-enable)
+            # A misspelled fast_dora_* key fails here, before anything is loaded. (Values are checked by Axolotl's
+            # schema, FastDoraArgs, and again by the core at pre_model_load, after the schema's coercion.)
+            check_cfg_keys(cfg)
             switch_off_lora_kernels(cfg, "register", log)
 
         def pre_model_load(self, cfg):  # validated config, in the training process
@@ -164,7 +230,10 @@ def _build_plugin():
                 return
             report = enable_on(model, options_from_cfg(cfg), logger=log, who="fastdora")
             if report is not None and self.report is None:
-                log.info("fastdora enabled (%s): %s", stage, report)
+                log.debug("fastdora enabled (%s): %s", stage, report)
+                # the one line at default verbosity (once per process), on Axolotl's logger: Axolotl's handlers
+                # drop INFO records of loggers outside axolotl.*
+                announce(report, logger=log)
                 self.report = report
 
         def post_lora_load(self, cfg, model):
@@ -172,18 +241,8 @@ def _build_plugin():
 
         def post_model_load(self, cfg, model):
             self._enable(cfg, model, "post_model_load")
-            bypass = [
-                name
-                for name, m in model.named_modules()
-                if getattr(m, "lora_magnitude_vector", None) and "forward" in vars(m)
-            ]
-            if bypass and is_dora_cfg(cfg):
-                log.warning(
-                    "fastdora: %d DoRA module(s) have an instance-level forward (e.g. %s): something (such as "
-                    "Axolotl's fused LoRA kernels) may bypass PEFT's DoRA path; set lora_*_kernel: false.",
-                    len(bypass),
-                    bypass[0],
-                )
+            if is_dora_cfg(cfg):
+                check_foreign_forwards(model, log)
 
         def add_callbacks_pre_trainer(self, cfg, model):
             if not is_dora_cfg(cfg):
@@ -193,6 +252,7 @@ def _build_plugin():
             cb = make_callback(**options_from_cfg(cfg), framework="axolotl")
             cb.report = self.report  # the conversion done at post_lora_load (already logged)
             cb._logged = self.report is not None
+            cb.announce_logger = log
             return [cb]
 
     FastDoraPlugin.__module__ = __name__

@@ -5,12 +5,14 @@
 
 The callback converts the DoRA layers of the (PEFT) model as soon as the trainer holds it (``on_init_end``), checks
 again at ``on_train_begin`` (the trainer may have wrapped or replaced the model in between: DDP / DeepSpeed /
-accelerate wrappers are peeled), logs the enable report once through the ``transformers`` logger, warns and does
-nothing for a model without DoRA, and at ``on_train_end`` writes ``fastdora_report.json`` (report + which fastdora
-paths ran, ``fastdora.layers.active_path_counter``) into ``args.output_dir`` on the main process.
+accelerate wrappers are peeled), says so in ONE line per process at default verbosity (``fastdora: on, converted
+28 DoRA layer(s) (28 linear); ...`` on stderr through the ``fastdora`` logger, ``[rank N]`` first in a job of several
+processes; the full report goes to the ``transformers`` logger at DEBUG), warns and does nothing for a model without
+DoRA, and at ``on_train_end`` writes its report (which fastdora paths ran, ``fastdora.active_path_counter``) into
+``args.output_dir`` on EVERY process: ``fastdora_report.json`` on rank 0, ``fastdora_report.rank<N>.json`` on rank N.
 
-All of the core's options are constructor keywords (``None`` = the core's default, which the ``FASTDORA_*``
-environment variables may set): ``kernels``, ``legacy_embedding_compose``, ``cache_norm``, ``norm_budget_mb``.
+The core's public options are the constructor keywords (``None`` = the core's default, which the ``FASTDORA_*``
+environment variables may set): ``kernels``, ``legacy_embedding_compose``, ``dm_from_output``.
 
 ``transformers`` is imported only when :class:`FastDoraCallback` is first looked up, so importing
 ``fastdora.plugins`` never imports it.
@@ -20,9 +22,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._common import REPORT_FILE, collect_options, enable_on, is_main_process, report_payload, write_report
+from ._common import (
+    REPORT_FILE,
+    announce,
+    collect_options,
+    enable_on,
+    process_rank,
+    report_file_for_rank,
+    report_payload,
+    write_report,
+)
 
-__all__ = ["FastDoraCallback", "make_callback"]
+__all__ = ["FastDoraCallback", "make_callback"]  # noqa: F822 (FastDoraCallback: module __getattr__)
 
 
 def _build_class():
@@ -39,8 +50,7 @@ def _build_class():
             *,
             kernels: str | None = None,
             legacy_embedding_compose: bool | None = None,
-            cache_norm: bool | None = None,
-            norm_budget_mb: float | None = None,
+            dm_from_output: bool | None = None,
             write_report: bool = True,
             report_file: str = REPORT_FILE,
             framework: str = "hf",
@@ -48,8 +58,7 @@ def _build_class():
             self.options = collect_options(
                 kernels=kernels,
                 legacy_embedding_compose=legacy_embedding_compose,
-                cache_norm=cache_norm,
-                norm_budget_mb=norm_budget_mb,
+                dm_from_output=dm_from_output,
             )
             self.write_report = write_report
             self.report_file = report_file
@@ -58,6 +67,7 @@ def _build_class():
             self.latest = None
             self._logged = False
             self._warned_no_dora = False
+            self.announce_logger = None  # the one line's logger (None: ``fastdora``'s); frameworks set their own
 
         # -- conversion ----------------------------------------------------------------------------------
         def _convert(self, model: Any, when: str) -> None:
@@ -84,7 +94,8 @@ def _build_class():
             self.latest = report  # describes the model as it is now
             if not self._logged:
                 self._logged = True
-                logger.info("fastdora enabled (%s): %s", when, report)
+                logger.debug("fastdora enabled (%s): %s", when, report)
+                announce(report, logger=self.announce_logger)  # the one line at default verbosity, once per process
 
         def on_init_end(self, args, state, control, model=None, **kwargs):
             self._convert(model, "on_init_end")
@@ -96,9 +107,12 @@ def _build_class():
             return control
 
         def on_train_end(self, args, state, control, model=None, **kwargs):
-            if self.write_report and is_main_process(args):
-                payload = report_payload(self.report, self.options, self.framework, self.latest)
-                path = write_report(getattr(args, "output_dir", None), payload, self.report_file)
+            if self.write_report:  # every rank: each converted and ran its own model
+                rank, _ = process_rank(args)
+                payload = report_payload(self.report, self.options, self.framework, self.latest, args=args)
+                path = write_report(
+                    getattr(args, "output_dir", None), payload, report_file_for_rank(self.report_file, rank)
+                )
                 logger.info(
                     "fastdora: path counter at train end %s (report: %s)", payload["active_path_counter"], path
                 )

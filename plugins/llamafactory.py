@@ -11,23 +11,30 @@ Then, in the YAML of ``llamafactory-cli train cfg.yaml`` (``finetuning_type: lor
     # optional (each defaults to the core's default; FASTDORA_* environment variables apply):
     fast_dora_kernels: auto                    # auto | triton | eager
     fast_dora_legacy_embedding_compose: false
-    fast_dora_cache_norm: true
-    fast_dora_norm_budget_mb: 16
+    fast_dora_dm_from_output: true
 
 Why a ``.pth`` file: ``llamafactory-cli train`` re-runs itself under ``torchrun`` for several devices (or with
 ``FORCE_TORCHRUN=1``); each worker is a fresh interpreter, so a patch applied in the parent only is lost. The
 ``.pth`` line runs :mod:`fastdora.plugins.llamafactory_boot` at every interpreter start of the environment; that
-module imports nothing heavy and only registers an import hook. When LLaMA-Factory itself imports
+module imports nothing (not even fastdora) and only registers an import hook, so interpreters that never import
+LLaMA-Factory pay a file read and nothing else; a ``.pth`` left behind by ``pip uninstall fastdora`` stays silent.
+When LLaMA-Factory itself imports
 
 - ``llamafactory.hparams.parser``: :func:`patch_parser` swaps ``FinetuningArguments`` in the parser's argument lists
   for a subclass with the ``use_fast_dora`` / ``fast_dora_*`` fields (so they are known keys; a misspelled key still
   gets LLaMA-Factory's ``Some keys are not used by the HfArgumentParser``, a bad value a ``ValueError``);
 - ``llamafactory.model.loader``: :func:`patch_loader` wraps ``init_adapter`` (called by ``load_model`` by global
-  name right after the PEFT model is built) to call ``fastdora.enable(model, **options)`` when ``use_fast_dora``;
+  name right after the PEFT model is built) to call ``fastdora.enable(model, **options)`` when ``use_fast_dora``
+  (for inference / ``llamafactory-cli export``, where LLaMA-Factory merges the adapter, a model without DoRA layers
+  is expected: no warning then);
 - ``llamafactory.train.tuner``: :func:`patch_tuner` adds a callback that re-checks the model at train begin and
-  writes ``fastdora_report.json`` into ``output_dir`` at train end (only when ``use_fast_dora`` was set).
+  writes ``fastdora_report.json`` into ``output_dir`` at train end (``fastdora_report.rank<N>.json`` on rank N
+  under torchrun; only when ``use_fast_dora`` was set).
 
 Without ``use_fast_dora: true`` nothing of fastdora runs. Without the ``.pth`` the key is unknown to LLaMA-Factory.
+``python -m fastdora.plugins.llamafactory status`` says whether the ``.pth`` is there and runs this fastdora;
+``uninstall`` removes it (run it before ``pip uninstall fastdora``; a ``.pth`` left behind anyway does nothing and
+says nothing, and can be deleted by hand: ``status`` prints its path).
 """
 
 from __future__ import annotations
@@ -38,9 +45,10 @@ import sys
 import sysconfig
 from typing import Any, Optional
 
-from ._common import collect_options, enable_on
+from ._common import announce, collect_options, enable_on, has_dora, unwrap_model
 
-__all__ = ["install", "uninstall", "status", "patch_parser", "patch_loader", "patch_tuner", "PTH_NAME"]
+__all__ = ["install", "uninstall", "status", "pth_text", "patch_parser", "patch_loader", "patch_tuner",
+           "init_adapter_action", "make_finetuning_arguments", "PTH_NAME", "CFG_KEYS", "FIELD_NAMES"]
 
 PTH_NAME = "fastdora_llamafactory.pth"
 BOOT_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llamafactory_boot.py")
@@ -49,9 +57,10 @@ BOOT_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llamafacto
 CFG_KEYS = {
     "fast_dora_kernels": "kernels",
     "fast_dora_legacy_embedding_compose": "legacy_embedding_compose",
-    "fast_dora_cache_norm": "cache_norm",
-    "fast_dora_norm_budget_mb": "norm_budget_mb",
+    "fast_dora_dm_from_output": "dm_from_output",
 }
+#: every field the FinetuningArguments subclass adds (the switch + one per option)
+FIELD_NAMES = ("use_fast_dora",) + tuple(CFG_KEYS)
 
 _ARG_LISTS = ("_TRAIN_ARGS", "_INFER_ARGS", "_EVAL_ARGS", "_TRAIN_MCA_ARGS")
 
@@ -75,33 +84,37 @@ def _logger():
         return logging.getLogger("fastdora.plugins.llamafactory")
 
 
-def _log_info(msg: str) -> None:
-    log = _logger()
-    (getattr(log, "info_rank0", None) or log.info)(msg)
-
-
 # --------------------------------------------------------------------------------------------------------------
 # the argument dataclass
 # --------------------------------------------------------------------------------------------------------------
 def _fields_mixin_check(self) -> None:
-    for key in ("use_fast_dora", "fast_dora_legacy_embedding_compose", "fast_dora_cache_norm"):
+    # HfArgumentParser.parse_dict hands YAML values to the dataclass unconverted: check them here.
+    for key in ("use_fast_dora", "fast_dora_legacy_embedding_compose", "fast_dora_dm_from_output"):
         val = getattr(self, key)
         if val is not None and not isinstance(val, bool):
             raise ValueError(f"{key} must be true or false, got {val!r}")
     if self.fast_dora_kernels is not None and self.fast_dora_kernels not in ("auto", "triton", "eager"):
         raise ValueError(f"fast_dora_kernels must be one of auto, triton, eager; got {self.fast_dora_kernels!r}")
-    if self.fast_dora_norm_budget_mb is not None:
-        v = self.fast_dora_norm_budget_mb
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-            raise ValueError(f"fast_dora_norm_budget_mb must be a positive number, got {v!r}")
     if self.use_fast_dora:
         options_from_args(self)  # the core's own validation, early
 
 
+_SUBCLASSES: dict = {}  # LLaMA-Factory's FinetuningArguments -> the subclass (one per base and process)
+
+
 def make_finetuning_arguments(base: type) -> type:
-    """A dataclass subclass of LLaMA-Factory's ``FinetuningArguments`` with the fastdora fields."""
+    """A dataclass subclass of LLaMA-Factory's ``FinetuningArguments`` with the fastdora fields.
+
+    Unknown keys: LLaMA-Factory parses the YAML with ``HfArgumentParser.parse_dict(..., allow_extra_keys=False)``
+    (unless ``ALLOW_EXTRA_ARGS=1`` is set), which raises ``ValueError: Some keys are not used by the
+    HfArgumentParser: [...]`` for every key that is no field of its argument dataclasses. So each fastdora key is
+    declared here as a real dataclass field (:data:`FIELD_NAMES`, checked below) and nothing else is: a misspelled
+    ``fast_dora_kernal`` / ``use_fastdora`` or a removed option stays unknown and fails there, before any model
+    loads."""
     if getattr(base, "_fastdora_fields", False):
         return base
+    if base in _SUBCLASSES:
+        return _SUBCLASSES[base]
 
     @dataclasses.dataclass
     class FinetuningArguments(base):  # same name, so LLaMA-Factory's help and logs look as usual
@@ -115,18 +128,23 @@ def make_finetuning_arguments(base: type) -> type:
         fast_dora_legacy_embedding_compose: Optional[bool] = dataclasses.field(
             default=None, metadata={"help": "Compose DoRA embeddings as PEFT 0.13-0.17 did (no embed_scale)."}
         )
-        fast_dora_cache_norm: Optional[bool] = dataclasses.field(
-            default=None, metadata={"help": "Reuse the DoRA weight norm while W, A, B, s are unchanged."}
-        )
-        fast_dora_norm_budget_mb: Optional[float] = dataclasses.field(
-            default=None, metadata={"help": "Working-set budget of fastdora's eager weight norm (MB)."}
+        fast_dora_dm_from_output: Optional[bool] = dataclasses.field(
+            default=None,
+            metadata={
+                "help": "Take the DoRA magnitude's gradient from the layer's output (saves an activation per layer); "
+                "false if the model edits a DoRA layer's output in place."
+            },
         )
 
         def __post_init__(self):
             super().__post_init__()
             _fields_mixin_check(self)
 
+    declared = {f.name for f in dataclasses.fields(FinetuningArguments)} - {f.name for f in dataclasses.fields(base)}
+    if declared != set(FIELD_NAMES):  # the parser knows exactly these keys, so it rejects every other fast_dora_*
+        raise RuntimeError(f"fastdora: FinetuningArguments fields {sorted(declared)} != {sorted(FIELD_NAMES)}")
     FinetuningArguments._fastdora_fields = True
+    _SUBCLASSES[base] = FinetuningArguments
     FinetuningArguments.__module__ = __name__
     FinetuningArguments.__qualname__ = "FinetuningArguments"
     globals()["FinetuningArguments"] = FinetuningArguments  # picklable by reference
@@ -151,20 +169,52 @@ def patch_parser(parser_module) -> None:
                     lst[i] = sub
 
 
+def init_adapter_action(finetuning_args: Any, is_trainable: Optional[bool], model: Any) -> str:
+    """What the wrapped ``init_adapter`` does with the model it returned:
+
+    - ``"off"``: ``use_fast_dora`` is not set;
+    - ``"enable"``: the model has DoRA layers: convert them;
+    - ``"merged"``: no DoRA layer and not trainable: inference / ``llamafactory-cli export``, where LLaMA-Factory
+      merges the adapter into the weights (``merge_and_unload``) inside ``init_adapter``: nothing to do, no warning;
+    - ``"no_dora"``: no DoRA layer in a model being trained: warn (the config is not a DoRA one)."""
+    if not getattr(finetuning_args, "use_fast_dora", False):
+        return "off"
+    if has_dora(unwrap_model(model)):
+        return "enable"
+    return "merged" if is_trainable is False else "no_dora"
+
+
+def _init_adapter_call_args(args: tuple, kwargs: dict) -> tuple:
+    """``(finetuning_args, is_trainable)`` of ``init_adapter(config, model, model_args, finetuning_args,
+    is_trainable)``; ``is_trainable`` is ``None`` when not passed."""
+    finetuning_args = kwargs.get("finetuning_args", args[3] if len(args) > 3 else None)
+    is_trainable = kwargs.get("is_trainable", args[4] if len(args) > 4 else None)
+    return finetuning_args, (None if is_trainable is None else bool(is_trainable))
+
+
 def _wrap_init_adapter(orig):
     if getattr(orig, "_fastdora_wrapped", False):
         return orig
 
     def init_adapter(*args, **kwargs):
         model = orig(*args, **kwargs)
-        finetuning_args = kwargs.get("finetuning_args", args[3] if len(args) > 3 else None)
-        if getattr(finetuning_args, "use_fast_dora", False):
-            options = options_from_args(finetuning_args)
-            report = enable_on(model, options, logger=_logger(), who="fastdora (use_fast_dora)")
-            STATE.options = options
-            if report is not None:
-                STATE.report = report
-                _log_info(f"fastdora enabled (use_fast_dora: true): {report}")
+        finetuning_args, is_trainable = _init_adapter_call_args(args, kwargs)
+        action = init_adapter_action(finetuning_args, is_trainable, model)
+        if action == "off":
+            return model
+        options = options_from_args(finetuning_args)
+        if action == "merged":
+            _logger().debug(
+                "fastdora (use_fast_dora): no DoRA layer left after init_adapter for inference / export "
+                "(LLaMA-Factory merged the adapter into the weights); nothing to do."
+            )
+            return model
+        report = enable_on(model, options, logger=_logger(), who="fastdora (use_fast_dora)")
+        STATE.options = options
+        if report is not None:
+            STATE.report = report
+            _logger().debug(f"fastdora enabled (use_fast_dora: true): {report}")
+            announce(report, logger=_logger())  # the one line at default verbosity (once per process)
         return model
 
     init_adapter._fastdora_wrapped = True
@@ -192,6 +242,7 @@ def _make_tuner_callback():
                 self.inner = make_callback(**STATE.options, framework="llamafactory")
                 self.inner.report = STATE.report
                 self.inner._logged = True  # init_adapter logged it already
+                self.inner.announce_logger = _logger()
             return self.inner
 
         def on_init_end(self, args, state, control, **kwargs):
@@ -228,13 +279,41 @@ def patch_tuner(tuner_module) -> None:
 # --------------------------------------------------------------------------------------------------------------
 # install / uninstall of the .pth
 # --------------------------------------------------------------------------------------------------------------
+#: What the ``.pth`` line runs (site.py executes ``.pth`` lines that start with ``import``, one line each, and prints
+#: a traceback for any that raises): read the boot file and execute it, and do nothing at all when it is gone (``pip
+#: uninstall fastdora`` leaves this ``.pth`` behind) or anything else fails. Costs one small file read and compile at
+#: interpreter start; imports nothing. The boot file imports fastdora only when LLaMA-Factory's modules are imported,
+#: and stays silent when fastdora is no longer importable then (see llamafactory_boot.py).
+_PTH_CODE = """\
+try:
+    p = {boot!r}
+    try:
+        f = open(p, "rb")
+    except OSError:
+        f = None
+    if f is not None:
+        with f:
+            src = f.read()
+        exec(compile(src, p, "exec"), {{"__name__": "_fastdora_llamafactory_boot", "__file__": p}})
+except Exception:
+    pass
+"""
+
+_PTH_HEADER = (
+    "# fastdora: makes `use_fast_dora` known to LLaMA-Factory (python -m fastdora.plugins.llamafactory status)\n"
+)
+
+
 def _pth_line(boot_file: str) -> str:
-    # One line (site.py executes lines that start with "import"); a no-op once fastdora is uninstalled.
-    return (
-        f"import os; _fastdora_boot = {boot_file!r}; "
-        "os.path.exists(_fastdora_boot) and exec(compile(open(_fastdora_boot).read(), _fastdora_boot, 'exec'), "
-        "{'__name__': '_fastdora_llamafactory_boot', '__file__': _fastdora_boot})\n"
-    )
+    code = _PTH_CODE.format(boot=boot_file)
+    line = f"import sys; exec({code!r}, {{}})\n"
+    assert "\n" not in line[:-1]  # one line
+    return line
+
+
+def pth_text(boot_file: str = BOOT_FILE) -> str:
+    """The whole content of ``fastdora_llamafactory.pth``."""
+    return _PTH_HEADER + _pth_line(boot_file)
 
 
 def _site_dir(site_dir: Optional[str]) -> str:
@@ -243,9 +322,10 @@ def _site_dir(site_dir: Optional[str]) -> str:
 
 def install(site_dir: Optional[str] = None) -> str:
     path = os.path.join(_site_dir(site_dir), PTH_NAME)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("# fastdora: makes `use_fast_dora` known to LLaMA-Factory (see fastdora.plugins.llamafactory)\n")
-        f.write(_pth_line(BOOT_FILE))
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(pth_text(BOOT_FILE))
+    os.replace(tmp, path)  # never a half-written .pth
     return path
 
 
@@ -257,13 +337,38 @@ def uninstall(site_dir: Optional[str] = None) -> Optional[str]:
     return None
 
 
+def _pth_target(path: str) -> Optional[str]:
+    """The boot file a ``.pth`` written by :func:`install` runs (``None`` if unreadable / not ours)."""
+    import ast
+    import re
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        return None
+    m = re.search(r"exec\((.*), \{\}\)\s*$", text, re.M)
+    if not m:
+        return None
+    try:
+        code = ast.literal_eval(m.group(1))
+        m2 = re.search(r"^    p = (.*)$", code, re.M)
+        return ast.literal_eval(m2.group(1)) if m2 else None
+    except (ValueError, SyntaxError):
+        return None
+
+
 def status(site_dir: Optional[str] = None) -> dict:
     path = os.path.join(_site_dir(site_dir), PTH_NAME)
+    installed = os.path.exists(path)
+    target = _pth_target(path) if installed else None
     return {
         "pth": path,
-        "installed": os.path.exists(path),
-        "hook_active": any(getattr(f, "_fastdora_llamafactory_hook", False) for f in sys.meta_path),
+        "installed": installed,
+        "pth_boot_file": target,  # what the .pth runs
+        "pth_current": installed and target == BOOT_FILE,  # it runs this fastdora's boot file
         "boot_file": BOOT_FILE,
+        "hook_active": any(getattr(f, "_fastdora_llamafactory_hook", False) for f in sys.meta_path),
     }
 
 
@@ -280,7 +385,15 @@ def main(argv=None) -> int:
         path = uninstall(a.site_dir)
         print(f"fastdora: removed {path}" if path else "fastdora: nothing to remove")
     else:
-        print(status(a.site_dir))
+        st = status(a.site_dir)
+        if not st["installed"]:
+            print(f"fastdora: not installed ({st['pth']} absent): `use_fast_dora` is unknown to LLaMA-Factory here")
+        elif st["pth_current"]:
+            print(f"fastdora: installed: {st['pth']} runs {st['boot_file']}")
+        else:
+            print(f"fastdora: {st['pth']} runs {st['pth_boot_file']!r}, not this fastdora's {st['boot_file']}: "
+                  "run `python -m fastdora.plugins.llamafactory install` again")
+        print(f"  import hook active in this interpreter: {st['hook_active']}")
     return 0
 
 

@@ -18,7 +18,7 @@ its ``__init__`` before ``Trainer.__init__`` runs, so the callback's ``on_init_e
 checkpointing, switched on inside ``train()``, needs nothing more. ``trl`` itself is not imported here.
 """
 
-__all__ = ["FastDoraCallback", "make_callback"]
+__all__ = ["FastDoraCallback", "make_callback"]  # noqa: F822 (both: module __getattr__)
 
 
 def __getattr__(name):

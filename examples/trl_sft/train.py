@@ -31,13 +31,14 @@ paths = build_all(a.out)
 trainer = SFTTrainer(
     model=paths["model"],  # TRL loads it; with peft_config it builds the PeftModel before Trainer.__init__
     peft_config=LoraConfig(r=8, lora_alpha=16, use_dora=True, task_type="CAUSAL_LM",
-                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                           "gate_proj", "up_proj", "down_proj"]),
     train_dataset=load_dataset("json", data_files=paths["messages"], split="train"),  # conversational
     args=SFTConfig(output_dir=os.path.join(a.out, "run"), max_steps=a.steps, per_device_train_batch_size=4,
                    learning_rate=1e-3, logging_steps=1, report_to=[], max_length=64,
                    use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(),
                    gradient_checkpointing=True),
-    callbacks=[FastDoraCallback()],  # options: kernels=, legacy_embedding_compose=, cache_norm=, norm_budget_mb=
+    callbacks=[FastDoraCallback()],  # options: kernels=, legacy_embedding_compose=, dm_from_output=
 )
 trainer.train()
 trainer.save_model(os.path.join(a.out, "run", "adapter"))
