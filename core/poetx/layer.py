@@ -1,0 +1,166 @@
+r"""``PoetXLinear``: a frozen ``nn.Linear`` weight between two trainable block-orthogonal factors.
+
+    y = x·(R W P)ᵀ + bias,   R = Ψᵀ·diag(G(Q_out))·Ψ,   P = Φᵀ·diag(G(Q_in))·Φ
+
+(:mod:`fastdora.poetx.ops` for the forward and backward, :mod:`fastdora.poetx.cayley` for ``G(Q)``). ``Q_in`` and
+``Q_out`` start at zero, so a new layer computes what the wrapped ``nn.Linear`` computed. :meth:`PoetXLinear.merge`
+folds the factors into the weight (``W ← R W P``, computed in float32 and rounded once to the weight's dtype), leaves
+the bias alone (it is added after ``R``), resets ``Q`` to zero and draws new permutations; the layer's function is
+unchanged up to that one rounding. The permutations come from a generator seeded with ``(seed, layer_index,
+merge_count)``, so every process that holds the same model draws the same permutations without communicating.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .cayley import cayley_neumann, skew_size
+from .ops import MODES, poetx_linear, rotate
+
+__all__ = ["PoetXLinear", "permutation_seed"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def permutation_seed(seed: int, layer_index: int, merge_count: int) -> int:
+    """The seed of the generator that draws a layer's permutations: a SplitMix64 hash of the three integers (the same
+    on every platform and process), in ``[0, 2⁶³)``."""
+    h = 0
+    for value in (seed, layer_index, merge_count):
+        h = _splitmix64(h ^ (value & _MASK64))
+    return h >> 1
+
+
+def _autocast_to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What autocast does to a floating-point operand of a matmul: float64 stays, other floats take ``dtype``."""
+    return t if t.dtype == torch.float64 else t.to(dtype)
+
+
+class PoetXLinear(nn.Module):
+    """A POET-X layer around the weight (and bias) of ``base``.
+
+    Args:
+        base: the ``nn.Linear`` to wrap. Its weight Parameter is reused (not copied) and frozen
+            (``requires_grad=False``); its bias Parameter is reused as it is (trainable if it was).
+        block_size: ``b``, the size of the orthogonal blocks; must divide ``in_features`` and ``out_features``.
+        mode: "fast" (saves the GEMM output for the backward) or "mem" (recomputes it).
+        terms: ``k``, the Neumann powers of the Cayley series (:func:`fastdora.poetx.cayley.cayley_neumann`).
+        seed, layer_index: seed the permutations, with the merge count (:func:`permutation_seed`).
+        q_dtype: dtype of ``q_in`` / ``q_out`` (float32 by default, whatever the weight's dtype).
+
+    Parameters ``q_in`` (``[in_features / b, b(b−1)/2]``) and ``q_out`` (``[out_features / b, b(b−1)/2]``) hold the
+    strict upper triangles of the skew generators; buffers ``perm_in``, ``perm_out`` and ``merge_count`` are saved
+    in the state dict, so a checkpoint resumes with the same permutations.
+
+    Precision: with a float32 weight, merges keep ``W`` within about 1e-6 (relative) of the exact product over
+    hundreds of merges. With a bfloat16 weight each merge rounds ``R W P`` to bfloat16 and the roundings add up as a
+    random walk, about ``2⁻⁸·√merges`` of the weight (3e-2 after 300 merges); for long runs keep the weight in
+    float32 and let autocast run the GEMM in bfloat16.
+    """
+
+    def __init__(
+        self,
+        base: nn.Linear,
+        block_size: int = 256,
+        *,
+        mode: str = "fast",
+        terms: int = 3,
+        seed: int = 0,
+        layer_index: int = 0,
+        q_dtype: torch.dtype = torch.float32,
+    ):
+        super().__init__()
+        if not isinstance(base, nn.Linear):
+            raise TypeError(f"PoetXLinear wraps an nn.Linear, got {type(base).__name__}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
+            raise ValueError(f"block_size must be an int >= 2, got {block_size!r}")
+        if base.in_features % block_size or base.out_features % block_size:
+            raise ValueError(
+                f"block_size {block_size} must divide in_features {base.in_features} and out_features "
+                f"{base.out_features}"
+            )
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if isinstance(terms, bool) or not isinstance(terms, int) or terms < 1:
+            raise ValueError(f"terms must be an int >= 1, got {terms!r}")
+        if not base.weight.is_floating_point():
+            raise TypeError(f"the weight must be floating point, got {base.weight.dtype}")
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.block_size, self.mode, self.terms = block_size, mode, terms
+        self.seed, self.layer_index = seed, layer_index
+
+        device = base.weight.device
+        self.weight = base.weight.requires_grad_(False)
+        self.bias: Optional[nn.Parameter] = base.bias
+        n = skew_size(block_size)
+        self.q_in = nn.Parameter(torch.zeros(self.in_features // block_size, n, dtype=q_dtype, device=device))
+        self.q_out = nn.Parameter(torch.zeros(self.out_features // block_size, n, dtype=q_dtype, device=device))
+        self.register_buffer("merge_count", torch.zeros((), dtype=torch.int64, device=device))
+        self.register_buffer("perm_in", torch.empty(self.in_features, dtype=torch.int64, device=device))
+        self.register_buffer("perm_out", torch.empty(self.out_features, dtype=torch.int64, device=device))
+        self._draw_permutations()
+
+    @torch.no_grad()
+    def _draw_permutations(self) -> None:
+        gen = torch.Generator().manual_seed(permutation_seed(self.seed, self.layer_index, int(self.merge_count)))
+        self.perm_in.copy_(torch.randperm(self.in_features, generator=gen))
+        self.perm_out.copy_(torch.randperm(self.out_features, generator=gen))
+
+    def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The orthogonal blocks ``(G(Q_in), G(Q_out))``, differentiable with respect to ``q_in`` and ``q_out``."""
+        return (cayley_neumann(self.q_in, self.block_size, self.terms),
+                cayley_neumann(self.q_out, self.block_size, self.terms))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.weight, self.bias
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):  # as nn.Linear under autocast: the GEMM in the autocast dtype
+            dtype = torch.get_autocast_dtype(device_type)
+            x, weight = _autocast_to(x, dtype), _autocast_to(weight, dtype)
+            bias = None if bias is None else _autocast_to(bias, dtype)
+        g_in, g_out = self.blocks()
+        return poetx_linear(x, weight, bias, g_in, g_out, self.perm_in, self.perm_out, self.mode)
+
+    @torch.no_grad()
+    def effective_weight(self) -> torch.Tensor:
+        """``R·W·P``, not rounded: in float32 (float64 if the weight or ``Q`` is float64), with the blocks the forward
+        uses (computed in ``Q``'s dtype)."""
+        compute = torch.promote_types(torch.promote_types(self.weight.dtype, self.q_in.dtype), torch.float32)
+        g_in, g_out = self.blocks()
+        rw = rotate(self.weight.to(compute).mT, self.perm_out, g_out).mT  # R·W = (Wᵀ·Rᵀ)ᵀ
+        return rotate(rw, self.perm_in, g_in, transpose=True)  # (R·W)·P
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """``W ← R·W·P`` (rounded once to the weight's dtype, in place: the Parameter objects stay), ``Q_in = Q_out
+        = 0``, ``merge_count += 1`` and new permutations. The bias is unchanged. The optimizer's state for ``q_in``
+        and ``q_out`` describes the old factors: the caller resets it."""
+        self.weight.copy_(self.effective_weight())
+        self.q_in.zero_()
+        self.q_out.zero_()
+        self.merge_count += 1
+        self._draw_permutations()
+
+    @torch.no_grad()
+    def to_linear(self) -> nn.Linear:
+        """A plain ``nn.Linear`` computing this layer's function: weight ``R·W·P`` rounded once to the weight's dtype,
+        a copy of the bias. The layer itself is not modified."""
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        linear.weight = nn.Parameter(self.effective_weight().to(self.weight.dtype))
+        if self.bias is not None:
+            linear.bias = nn.Parameter(self.bias.detach().clone(), requires_grad=self.bias.requires_grad)
+        return linear
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"block_size={self.block_size}, mode={self.mode!r}, terms={self.terms}")

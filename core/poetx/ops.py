@@ -1,0 +1,177 @@
+r"""The input-centric forward and backward of one POET-X layer, without ever forming ``R·W·P``.
+
+A layer computes ``y = x·(R W P)ᵀ + bias`` with a frozen ``W`` (``[d_out, d_in]``) and two block-diagonal orthogonal
+factors between random permutations,
+
+    R = Ψᵀ·diag(G₁ … G_m)·Ψ      (output side, ``m = d_out / b``),
+    P = Φᵀ·diag(H₁ … H_n)·Φ      (input side, ``n = d_in / b``),
+
+where ``Ψ = I[perm_out]`` and ``Φ = I[perm_in]`` are the permutation matrices of index vectors (``(Ψ v)ᵢ =
+v[perm_out[i]]``). For a row vector ``t`` and such an ``R``, ``t·Rᵀ`` is :func:`rotate`: gather ``t``'s features by
+``perm``, multiply each group of ``b`` features by its block's transpose, scatter them back. The layer is
+
+    z = rotate(x, perm_in, H)            (= x·Pᵀ)
+    u = z·Wᵀ                              (the one dense GEMM, on the frozen weight in its own layout)
+    y = rotate(u, perm_out, G) + bias     (= u·Rᵀ + bias)
+
+and its backward, with ``gy = ∂L/∂y``:
+
+    gu = rotate(gy, perm_out, G, transpose=True)        (= gy·R)
+    ∂L/∂Gₖ = Σ_rows gather(gy)ₖᵀ ⊗ gather(u)ₖ             (needs u: saved in "fast" mode, recomputed in "mem" mode)
+    gz = gu·W
+    ∂L/∂Hₖ = Σ_rows gather(gz)ₖᵀ ⊗ gather(x)ₖ
+    ∂L/∂x = rotate(gz, perm_in, H, transpose=True)       (= gz·P)
+    ∂L/∂bias = Σ_rows gy
+
+The weight stays in the model's layout. Storing ``Ψ·W·Φᵀ`` instead would drop two of the four activation gathers
+of this plain-PyTorch version, but then conversion would copy every weight, the state dict would hold permuted
+weights, and ``Q = 0`` would no longer run the very GEMM of ``nn.Linear`` (bitwise equal outputs for layers without
+bias); a block kernel can fold the gathers and scatters into its own loads and stores.
+The block products run in ``promote(activation dtype, block dtype)`` (float32 for bfloat16 activations with float32
+blocks) and round once to the activation dtype; the GEMMs run in the activation dtype like ``nn.Linear``. The gradient
+with respect to ``W`` is never computed: ``W`` changes only through merges.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["MODES", "rotate", "block_outer", "poetx_linear"]
+
+#: "fast" saves the GEMM output ``u`` for the backward; "mem" saves only ``x`` and recomputes ``u`` (one more GEMM)
+MODES = ("fast", "mem")
+
+
+def _gather(t: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    return t.index_select(-1, perm)
+
+
+def _scatter(t: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_gather`: ``out[..., perm[i]] = t[..., i]``."""
+    return torch.empty_like(t).index_copy_(t.dim() - 1, perm, t)
+
+
+def rotate(
+    t: torch.Tensor,
+    perm: torch.Tensor,
+    blocks: torch.Tensor,
+    *,
+    transpose: bool = False,
+    bias: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """``t·Rᵀ + bias`` (or ``t·R + bias`` with ``transpose=True``) for ``R = Ψᵀ·diag(blocks)·Ψ``, ``Ψ = I[perm]``.
+
+    Args:
+        t: ``[N, d]``, rows are the vectors.
+        perm: ``[d]`` int64 permutation.
+        blocks: ``[d / b, b, b]``.
+        bias: optional ``[d]``, added before the single rounding.
+        out_dtype: result dtype (default ``t``'s). The products run in ``promote(t.dtype, blocks.dtype)``.
+    """
+    n_blocks, b = blocks.shape[0], blocks.shape[-1]
+    compute = torch.promote_types(t.dtype, blocks.dtype)
+    tp = _gather(t, perm).to(compute).unflatten(-1, (n_blocks, b))
+    # t·Rᵀ: out_c = Σ_b G[c, b]·t_b ; t·R: out_c = Σ_b t_b·G[b, c]
+    out = torch.einsum("nkb,kbc->nkc" if transpose else "nkb,kcb->nkc", tp, blocks.to(compute)).flatten(-2)
+    if bias is not None:
+        out = out + _gather(bias, perm).to(compute)
+    return _scatter(out.to(out_dtype or t.dtype), perm)
+
+
+def block_outer(a: torch.Tensor, b: torch.Tensor, perm: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """``[k, c, j] = Σ_rows gather(a)[row, k·b + c]·gather(b)[row, k·b + j]``: the gradient of the blocks of a
+    :func:`rotate` (``a`` its output gradient, ``b`` its input), accumulated in at least float32, in ``blocks``' dtype.
+    """
+    n_blocks, size = blocks.shape[0], blocks.shape[-1]
+    compute = functools.reduce(torch.promote_types, (a.dtype, b.dtype, blocks.dtype, torch.float32))
+    ap = _gather(a, perm).to(compute).unflatten(-1, (n_blocks, size))
+    bp = _gather(b, perm).to(compute).unflatten(-1, (n_blocks, size))
+    return torch.einsum("nkc,nkj->kcj", ap, bp).to(blocks.dtype)
+
+
+class _PoetXLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, g_in, g_out, perm_in, perm_out, save_gemm_output):
+        with torch.autocast(x.device.type, enabled=False):  # the block products pick their own precision
+            x2 = x.reshape(-1, x.shape[-1])
+            u = F.linear(rotate(x2, perm_in, g_in), weight)
+            y = rotate(u, perm_out, g_out, bias=bias)
+        ctx.save_for_backward(x, weight, g_in, g_out, perm_in, perm_out, u if save_gemm_output else None)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight, g_in, g_out, perm_in, perm_out, u = ctx.saved_tensors
+        need_x, _, need_bias, need_g_in, need_g_out = ctx.needs_input_grad[:5]
+        grad_x = grad_bias = grad_g_in = grad_g_out = None
+        with torch.autocast(x.device.type, enabled=False):  # the block products pick their own precision
+            x2 = x.reshape(-1, x.shape[-1])
+            gy = grad_y.reshape(-1, weight.shape[0])
+            if need_bias:
+                grad_bias = gy.sum(0, dtype=torch.promote_types(gy.dtype, torch.float32)).to(ctx.bias_dtype)
+            if need_g_out:
+                if u is None:  # "mem": recompute the GEMM output
+                    u = F.linear(rotate(x2, perm_in, g_in), weight)
+                grad_g_out = block_outer(gy, u, perm_out, g_out)
+            if need_x or need_g_in:
+                gz = rotate(gy, perm_out, g_out, transpose=True) @ weight
+                if need_g_in:
+                    grad_g_in = block_outer(gz, x2, perm_in, g_in)
+                if need_x:
+                    grad_x = rotate(gz, perm_in, g_in, transpose=True).reshape(x.shape)
+        return grad_x, None, grad_bias, grad_g_in, grad_g_out, None, None, None
+
+
+def _check(x, weight, bias, g_in, g_out, perm_in, perm_out, mode) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if weight.requires_grad:
+        raise ValueError("the weight of a POET-X layer is frozen (it changes only by merges): it must not require grad")
+    d_out, d_in = weight.shape
+    if x.shape[-1] != d_in:
+        raise ValueError(f"input has {x.shape[-1]} features, the weight expects {d_in}")
+    if x.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+        raise TypeError(
+            f"input, weight and bias must share one dtype, got {x.dtype}, {weight.dtype}, "
+            f"{None if bias is None else bias.dtype}"
+        )
+    for side, blocks, perm, d in (("input", g_in, perm_in, d_in), ("output", g_out, perm_out, d_out)):
+        if blocks.dim() != 3 or blocks.shape[1] != blocks.shape[2] or blocks.shape[0] * blocks.shape[1] != d:
+            raise ValueError(f"{side}-side blocks of shape {tuple(blocks.shape)} do not tile {d} features")
+        if perm.shape != (d,) or perm.dtype != torch.int64:
+            raise ValueError(f"{side}-side permutation must be int64 of shape ({d},), got {perm.dtype} "
+                             f"{tuple(perm.shape)}")
+
+
+def poetx_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    g_in: torch.Tensor,
+    g_out: torch.Tensor,
+    perm_in: torch.Tensor,
+    perm_out: torch.Tensor,
+    mode: str = "fast",
+) -> torch.Tensor:
+    """``y = x·(R W P)ᵀ + bias`` (see the module docstring) as one autograd node.
+
+    Args:
+        x: ``[..., d_in]`` activations, in ``weight``'s dtype.
+        weight: ``[d_out, d_in]``, frozen (must not require grad).
+        bias: ``[d_out]`` or None; may require grad.
+        g_in: ``[d_in / b, b, b]`` input-side blocks ``H`` (from :func:`fastdora.poetx.cayley.cayley_neumann`).
+        g_out: ``[d_out / b', b', b']`` output-side blocks ``G``.
+        perm_in, perm_out: int64 permutations of ``d_in`` and ``d_out``.
+        mode: "fast" (saves the GEMM output, ``N·d_out`` values) or "mem" (recomputes it in the backward).
+
+    Returns:
+        ``[..., d_out]`` in ``x``'s dtype; gradients flow to ``x``, ``bias``, ``g_in`` and ``g_out``.
+    """
+    _check(x, weight, bias, g_in, g_out, perm_in, perm_out, mode)
+    return _PoetXLinear.apply(x, weight, bias, g_in, g_out, perm_in, perm_out, mode == "fast")

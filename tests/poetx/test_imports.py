@@ -1,0 +1,41 @@
+"""fastdora.poetx stands alone: it imports torch and the standard library, never transformers or peft, and of
+fastdora only the shared base modules (config, compat, stats), none of the DoRA implementation."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+POETX = Path(__file__).resolve().parents[2] / "core" / "poetx"
+ALLOWED_PARENT = {"config", "compat", "stats"}
+
+
+def _imports(path: Path):
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield 0, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            yield node.level, node.module or ""
+
+
+def test_poetx_imports_only_torch_the_standard_library_and_its_own_modules():
+    files = sorted(POETX.glob("*.py"))
+    assert {f.stem for f in files} >= {"__init__", "cayley", "ops", "layer", "convert"}
+    bad = []
+    for path in files:
+        for level, module in _imports(path):
+            top = module.split(".")[0]
+            if level == 1:
+                ok = True  # fastdora.poetx's own modules
+            elif level == 2:
+                ok = top in ALLOWED_PARENT
+            elif level == 0 and top == "fastdora":
+                parts = module.split(".")
+                ok = len(parts) > 1 and (parts[1] == "poetx" or parts[1] in ALLOWED_PARENT)
+            else:
+                ok = level == 0 and (top in ("torch", "__future__") or top in sys.stdlib_module_names)
+            if not ok:
+                bad.append(f"{path.name}: {'.' * level}{module}")
+    assert not bad, bad
