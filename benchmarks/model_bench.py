@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Model-level DoRA benchmark (issue 5): fastdora vs stock PEFT DoRA vs stock PEFT LoRA.
+"""Model-level DoRA benchmark: fastdora vs stock PEFT DoRA vs stock PEFT LoRA.
 
 Random-initialised decoders with real shapes (Qwen3-8B, Mistral-Small-24B; N decoder layers), DoRA / LoRA on
 q,k,v,o,gate,up,down (rsLoRA, lora_alpha=16, lora_B filled with small random values so no operand is all zeros),
@@ -16,15 +16,25 @@ Variants (each in its own process):
   lora       stock PEFT LoRA, same rank
   peft_dora  stock PEFT DoRA
   fastdora   stock PEFT DoRA + fastdora.enable(model)
-  eager      stock PEFT DoRA + fastdora.enable(model, kernels="eager")
+  eager      stock PEFT DoRA + fastdora.enable(model, kernels="eager")   (the "eager fallback": no Triton)
+``--settings NAME=VALUE,...`` runs the fastdora variants under ``fastdora.config.override(...)`` (internal settings,
+e.g. ``layer_node=False``), to measure what one design choice buys.
 
 Measures: gradient-iteration time (8 micro-batches fwd+bwd + optimizer step + zero_grad), inference forward time
 (eval, no_grad, prefill of the 4096 tokens, ``logits_to_keep=1``), peak allocated / reserved memory of the training
 iterations and of inference. Medians over repeats after warm-up.
 
+Plans (``--plan``, in priority order within each: a time budget drops the tail):
+  h200     (default) the whole harness on one H200 in < 10 minutes (``--budget-s 548``): Qwen3-8B shapes, 8 layers,
+           r=384, AMP and pure bf16, all four variants (the targets); full depth (36 layers) r=384 AMP; r=16 both
+           setups; Mistral-Small-24B shapes (3 layers) r=384 both setups; AMP r=16/64/768 on Mistral, r=64/768 on Qwen3
+  targets  Qwen3-8B r=384 and r=16, both setups, all four variants (the AMP r=384 ones profiled)
+  full     every shape x rank x setup (longer than 10 minutes)
+  amp, bf16  one setup's r=384 targets alone: LoRA, fastdora, PEFT DoRA, eager fallback
+  tiny     CPU smoke test (``--tiny``)
+
 Usage:
-  python benchmarks/model_bench.py --out DIR [--budget-s 540] [--plan h200|full|targets|coverage|tiny]   # parent
-      (--plan h200, the default: issue 5's whole harness on one H200 in < 10 minutes)
+  python benchmarks/model_bench.py --out DIR [--budget-s 548] [--plan h200]                       # parent
   python benchmarks/model_bench.py --report DIR/model_bench.json                                 # tables + plot
   python benchmarks/model_bench.py --tiny --device cpu --out /tmp/mb                             # CPU smoke test
 """
@@ -51,38 +61,12 @@ SHAPES = {
                  num_key_value_heads=2, head_dim=16, vocab_size=512, full_layers=2),
 }
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# fastdora_old: --old-pkg's package; fastdora_nofuse / fastdora_fuse: fuse_lora_b False / True (the default: False);
-# fastdora_chain: lean_forward=False (PEFT's forward -> variant -> magnitude module chain on every call);
-# fastdora_nograph: graph_norm=False (the per-step norm recomputation as eager launches);
-# fastdora_sep: layer_node=False (each Linear layer as separate autograd nodes, the composition's in C++);
-# fastdora_inner: dm_from_output=False (the whole-layer node saves inner, not its output, for the magnitude);
-# eager_old: --old-pkg's package with kernels="eager"; eager_fuse: kernels="eager", fuse_lora_b=True (lora_B in the
-# composition's node, inner formed by one addmm; session 30's calls 2 and 3 ran this as the default "eager", with
-# fuse_lora_b=False as "eager_nofuse")
-VARIANTS = ["lora", "peft_dora", "fastdora", "eager", "fastdora_old", "fastdora_nofuse", "fastdora_fuse",
-            "fastdora_chain", "fastdora_nograph", "fastdora_sep", "fastdora_inner", "eager_old", "eager_fuse",
-            "eager_nofuse"]
+VARIANTS = ["lora", "peft_dora", "fastdora", "eager"]
 VARIANT_LABEL = {"lora": "PEFT LoRA", "peft_dora": "PEFT DoRA", "fastdora": "fastdora DoRA",
-                 "eager": "fastdora eager", "fastdora_old": "fastdora (--old-pkg)",
-                 "fastdora_nofuse": "fastdora, fuse_lora_b=False",
-                 "fastdora_fuse": "fastdora, fuse_lora_b=True", "fastdora_chain": "fastdora, lean_forward=False",
-                 "fastdora_nograph": "fastdora, graph_norm=False", "fastdora_sep": "fastdora, layer_node=False",
-                 "fastdora_inner": "fastdora, dm_from_output=False", "eager_old": "fastdora eager (--old-pkg)",
-                 "eager_fuse": "fastdora eager, fuse_lora_b=True",
-                 "eager_nofuse": "fastdora eager, fuse_lora_b=False"}
-VARIANT_COLOR = {"lora": "#888888", "peft_dora": "#d62728", "fastdora": "#2ca02c", "eager": "#1f77b4",
-                 "fastdora_old": "#9467bd", "fastdora_nofuse": "#17becf", "fastdora_fuse": "#bcbd22",
-                 "fastdora_chain": "#8c564b", "fastdora_nograph": "#e377c2", "fastdora_sep": "#ff7f0e",
-                 "fastdora_inner": "#7f7f00", "eager_old": "#aec7e8", "eager_fuse": "#98df8a",
-                 "eager_nofuse": "#c5b0d5"}
+                 "eager": "fastdora eager"}
+VARIANT_COLOR = {"lora": "#888888", "peft_dora": "#d62728", "fastdora": "#2ca02c", "eager": "#1f77b4"}
 # the variants that run fastdora, with their fastdora.enable() options
-FASTDORA_OPTIONS = {"fastdora": {}, "eager": {"kernels": "eager"}, "fastdora_old": {},
-                    "fastdora_nofuse": {"fuse_lora_b": False}, "fastdora_fuse": {"fuse_lora_b": True},
-                    "fastdora_chain": {"lean_forward": False}, "fastdora_nograph": {"graph_norm": False},
-                    "fastdora_sep": {"layer_node": False}, "fastdora_inner": {"dm_from_output": False},
-                    "eager_old": {"kernels": "eager"}, "eager_fuse": {"kernels": "eager", "fuse_lora_b": True},
-                    "eager_nofuse": {"kernels": "eager", "fuse_lora_b": False}}
-OLD_PKG_VARIANTS = ("fastdora_old", "eager_old")  # run --old-pkg's package
+FASTDORA_OPTIONS = {"fastdora": {}, "eager": {"kernels": "eager"}}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -144,41 +128,9 @@ def build_model(cfg_args, dev):
     return model
 
 
-def add_probe_args(p, setup: str) -> None:
-    """The model-config arguments of the in-process probes (stall_probe, gap_probe): one config, several variants."""
-    p.add_argument("--setup", default=setup, choices=["amp", "bf16"])
-    p.add_argument("--shape", default="qwen3-8b")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--rank", type=int, default=384)
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--ga", type=int, default=8)
-    p.add_argument("--loss-tokens", type=int, default=1024)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--variants", default="lora,fastdora")
-    p.add_argument("--old-pkg", default=None, help="variant fastdora_old: the fastdora package in DIR/fastdora")
-    p.add_argument("--tiny", action="store_true", help="CPU smoke test")
-
-
-def probe_runs(a):
-    """(device, {variant: (model in train mode, SGD(lr=0) on its trainable parameters, info)}) for the in-process
-    probes; ``--tiny``: CPU and tiny shapes."""
-    import torch
-
-    dev = torch.device("cpu" if a.tiny else "cuda")
-    if a.tiny:
-        a.shape, a.seq, a.loss_tokens, a.layers, a.rank, a.ga = "tiny", 64, 16, 2, 8, 2
-    runs = {}
-    for v in a.variants.split(","):
-        model, info = build_in_process(a, dev, v)
-        model.train()
-        opt = torch.optim.SGD([q for q in model.parameters() if q.requires_grad], lr=0.0)
-        runs[v] = (model, opt, info)
-    return dev, runs
-
-
 def step_inputs(a, dev):
-    """(autocast context factory of the setup, the GA micro-batches of token ids, a device sync) shared by the
-    model-level scripts (model_bench, host_probe, stall_probe): same seed, same batches."""
+    """(autocast context factory of the setup, the GA micro-batches of token ids, a device sync): the same seed and
+    batches for every variant."""
     import contextlib
 
     import torch
@@ -210,36 +162,13 @@ def apply_adapter(model, a, dev):
                 p.data = p.data.to(torch.bfloat16)
     info = {}
     if a.variant in FASTDORA_OPTIONS:
-        if a.variant in OLD_PKG_VARIANTS:  # this worker process imports the earlier package as `fastdora`
-            if not a.old_pkg:
-                raise RuntimeError(f"variant {a.variant} needs --old-pkg DIR (DIR/fastdora)")
-            sys.path.insert(0, os.path.abspath(a.old_pkg))
         try:
             import fastdora
         except Exception as e:  # noqa: BLE001
             raise RuntimeError(f"variant {a.variant} needs `import fastdora` (pip install -e . from the repo root, "
                                f"or PYTHONPATH with core/ mapped to fastdora): {e!r}") from e
-        if not hasattr(fastdora, "enable"):
-            raise RuntimeError("fastdora has no enable() yet (core/__init__.py not written?)")
         rep = fastdora.enable(model, **FASTDORA_OPTIONS[a.variant])
         info["enable_report"] = _jsonable(rep)
-    return model, info
-
-
-def build_in_process(a, dev, variant):
-    """Model + adapter for ``variant`` in THIS process, for the probes that run several variants side by side
-    (stall_probe, enqueue_probe). ``fastdora_old`` imports ``--old-pkg``'s package under another name next to the
-    current one (``_bench_io.load_package_as``) and enables it on a stock PEFT DoRA model."""
-    a.variant = "peft_dora" if variant == "fastdora_old" else variant
-    model, info = apply_adapter(build_model(a, dev), a, dev)
-    if variant == "fastdora_old":
-        if not getattr(a, "old_pkg", None):
-            raise RuntimeError("variant fastdora_old needs --old-pkg DIR (DIR/fastdora)")
-        from _bench_io import load_package_as
-
-        old = sys.modules.get("fastdora_old") or load_package_as(os.path.abspath(a.old_pkg), "fastdora_old")
-        info["enable_report"] = _jsonable(old.enable(model, **FASTDORA_OPTIONS[variant]))
-    a.variant = variant
     return model, info
 
 
@@ -275,7 +204,7 @@ def path_counter():
 def preimport():
     """torch, transformers' model classes and PEFT (~7-10 s of CPU on the H200 host). The fork-mode parent imports
     them once and forks every worker from there, so no worker imports anything while another one is measured;
-    fastdora is left to the worker (variant fastdora_old imports another package under that name)."""
+    fastdora is left to the worker (so that the parent never touches CUDA)."""
     import importlib
 
     mods = ["torch", "transformers", "peft", "transformers.models.qwen3.modeling_qwen3",
@@ -288,13 +217,24 @@ def preimport():
 
 
 def run_worker(a):
+    """One config in this process; the fastdora variants under ``--settings``' internal settings, if any."""
+    settings = parse_settings(a.settings)
+    if settings and a.variant in FASTDORA_OPTIONS:
+        from fastdora import config
+
+        with config.override(**settings):
+            return measure(a, settings)
+    return measure(a, {})
+
+
+def measure(a, settings):
     import torch
     import torch.nn.functional as F
 
     t_import = time.perf_counter()
     if a.wait_go:
         # an exec worker imports transformers / PEFT before READY (CPU only, while the previous config runs): ~5-10 s
-        # less per exec config (session 30: the target block's exec workers cost ~90 s over forked ones)
+        # less per exec config (importing after "go", plan h200's 8 exec configs took 199 s instead of 123 s)
         preimport()
         t_import = time.perf_counter() - t_import
         print("READY", flush=True)
@@ -308,6 +248,8 @@ def run_worker(a):
     dev = torch.device(a.device)
     rec = dict(shape=a.shape, layers=a.layers, rank=a.rank, setup=a.setup, variant=a.variant, seq=a.seq,
                ga=a.ga, loss_tokens=a.loss_tokens, device=str(dev), pid=os.getpid())
+    if settings:
+        rec["settings"] = settings
     rec["versions"] = dict(torch=torch.__version__)
     for mod in ("transformers", "peft", "triton"):
         try:
@@ -371,12 +313,18 @@ def run_worker(a):
     probe = next(p for n, p in model.named_parameters() if "lora_A" in n and p.requires_grad)
     v0 = probe._version
     # warm-up (Triton compile/autotune, allocator, cuBLAS heuristics) on a.warmup_ga micro-batches + a step
-    t = [timed(lambda: grad_iter(min(a.warmup_ga, a.ga))) for _ in range(a.warmup)]
+    t, warm_peaks = [], []
+    for _ in range(a.warmup):
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        t.append(timed(lambda: grad_iter(min(a.warmup_ga, a.ga))))
+        if dev.type == "cuda":
+            warm_peaks.append(torch.cuda.max_memory_allocated(dev) / 1e9)
     rec["warmup_grad_s"] = t
+    rec["warmup_peak_alloc_gb"] = warm_peaks  # per warm-up iteration (the first compiles kernels, builds caches)
     # the objects alive now (the imported modules, the model, the warm-up's) are left out of later collections: a
-    # full collection would otherwise walk the whole heap inside a timed iteration (0.33-0.42 s in every process of
-    # session 23's call 1, one iteration in five); iterations still pay their own garbage's collections
-    # (grad_iter_gc_ms)
+    # full collection would otherwise walk the whole heap inside a timed iteration (0.33-0.42 s, measured in one
+    # iteration in five before this); iterations still pay their own garbage's collections (grad_iter_gc_ms)
     gc.collect()
     gc.freeze()
     rec["norm_invalidated_per_step"] = probe._version > v0
@@ -470,6 +418,38 @@ def profile(model, grad_iter, infer, dev, a):
 # parent: plan, schedule within a time budget, collect
 # ----------------------------------------------------------------------------------------------------------------
 
+PLANS = ["h200", "targets", "full", "amp", "bf16", "tiny"]
+
+
+def parse_settings(text: str) -> dict:
+    """``--settings``: ``"layer_node=False,norm_budget_mb=8"`` -> ``{"layer_node": False, "norm_budget_mb": 8}``
+    (values are Python literals; a bare word is taken as a string). The names are checked by
+    ``fastdora.config.override`` (an unknown one raises ``TypeError``)."""
+    import ast
+
+    out = {}
+    for item in filter(None, (x.strip() for x in (text or "").split(","))):
+        name, sep, raw = item.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"--settings: {item!r} is not NAME=VALUE")
+        try:
+            out[name.strip()] = ast.literal_eval(raw.strip())
+        except (ValueError, SyntaxError):
+            out[name.strip()] = raw.strip()
+    return out
+
+
+def check_settings(settings: dict) -> None:
+    """Refuse unknown internal settings before anything runs (in a subprocess: the parent never imports
+    fastdora, which may initialise CUDA)."""
+    if not settings:
+        return
+    code = "import sys, fastdora.config as c; c.override(**eval(sys.argv[1])).__enter__()"
+    r = subprocess.run([sys.executable, "-c", code, repr(settings)], capture_output=True, text=True, cwd=REPO)
+    if r.returncode != 0:
+        raise SystemExit(f"--settings: {(r.stderr.strip().splitlines() or ['failed'])[-1]}")
+
+
 def plan_configs(plan, layers_q, layers_m):
     """Configs in priority order. Each: dict(shape, layers, rank, setup, variant[, profile])."""
     cfgs = []
@@ -486,62 +466,16 @@ def plan_configs(plan, layers_q, layers_m):
             c["profile"] = True
         cfgs[1]["spawn"] = "exec"  # as plan h200's target block: an exec worker among forked ones (CPU tests)
         return cfgs
-    if plan == "final":  # the r=384 targets without eager/profiling (short device budget): per setup LoRA and
-        # fastdora twice each in alternating processes (pooled: a process's own host speed varies by a few %),
-        # then PEFT DoRA once per setup
-        for setup in ("amp", "bf16"):
-            add("qwen3-8b", layers_q, 384, setups=(setup,), variants=("lora", "fastdora", "lora", "fastdora"))
-        add("qwen3-8b", layers_q, 384, variants=("peft_dora",))
-        return cfgs
-    if plan in ("gpu0", "gpu1"):  # one device call on 2 GPUs, one parent per GPU (ratios are taken within a GPU)
-        if plan == "gpu0":
-            add("qwen3-8b", layers_q, 384, setups=("amp",), variants=("lora", "fastdora", "peft_dora", "eager"))
-            add("qwen3-8b", layers_q, 16, setups=("amp",), variants=("lora", "fastdora", "peft_dora"))
-            add("qwen3-8b", layers_q, 64, setups=("amp",), variants=("lora", "fastdora", "peft_dora"))
-        else:
-            add("qwen3-8b", layers_q, 384, setups=("bf16",), variants=("lora", "fastdora", "peft_dora", "eager"))
-            add("mistral-small-24b", layers_m, 384, setups=("amp",), variants=("lora", "fastdora", "peft_dora"))
-            add("qwen3-8b", layers_q, 768, setups=("amp",), variants=("lora", "fastdora", "peft_dora"))
-        return cfgs
-    if plan in ("bf16", "amp", "bf16_ab", "amp_ab", "bf16_fuse", "amp_fuse"):  # one precision's r=384 targets
-        # alone (LoRA, fastdora, PEFT DoRA); *_ab: also the --old-pkg package; *_fuse: fuse_lora_b off vs on,
-        # alternating (LoRA, on, off, on, off, PEFT DoRA); any other order: --sequence
-        variants = ("lora", "fastdora") + (("fastdora_old",) if plan.endswith("_ab") else ()) + ("peft_dora",)
-        if plan.endswith("_fuse"):
-            variants = ("lora", "fastdora_fuse", "fastdora_nofuse", "fastdora_fuse", "fastdora_nofuse", "peft_dora")
-        add("qwen3-8b", layers_q, 384, setups=(plan.split("_")[0],), variants=variants)
-        return cfgs
-    if plan == "eager_bf16":  # where the eager fallback's pure-bf16 time goes (Qwen3-8B r=384): LoRA, eager and
-        # fastdora, each profiled once (torch.profiler: kernel time, GPU busy share, top ops), then LoRA / eager again
-        add("qwen3-8b", layers_q, 384, setups=("bf16",),
-            variants=("lora", "eager", "fastdora", "eager", "lora", "eager", "lora"))
-        for c in cfgs[:3]:
-            c["profile"] = True
-        return cfgs
-    if plan in ("mistral_bf16", "mistral_amp"):  # Mistral-Small-24B shapes at the target rank, one precision
-        add("mistral-small-24b", layers_m, 384, setups=(plan.split("_")[1],),
-            variants=("lora", "fastdora", "fastdora_inner", "peft_dora"))
-        return cfgs
-    if plan == "coverage":  # what the r=384 plans leave out (issue 5's remaining rows, AMP): full depth first, then
-        # Mistral-Small-24B at r=16/64/768 and Qwen3-8B at r=64, LoRA / fastdora / PEFT DoRA each
-        three = ("lora", "fastdora", "peft_dora")
-        full = SHAPES["qwen3-8b"]["full_layers"]
-        for v in three:
-            cfgs.append(dict(shape="qwen3-8b", layers=full, rank=384, setup="amp", variant=v, full_depth=True))
-        for r in (16, 64, 768):
-            add("mistral-small-24b", layers_m, r, setups=("amp",), variants=three)
-        add("qwen3-8b", layers_q, 64, setups=("amp",), variants=three)
-        return cfgs
-    if plan == "r16":  # the no-regression check alone (AMP first)
-        add("qwen3-8b", layers_q, 16, setups=("amp",), variants=("peft_dora", "fastdora", "lora"))
+    if plan in ("amp", "bf16"):  # one setup's r=384 targets alone (any other order: --sequence)
+        add("qwen3-8b", layers_q, 384, setups=(plan,))
         return cfgs
     three = ("lora", "fastdora", "peft_dora")
     four = three + ("eager",)
     full = SHAPES["qwen3-8b"]["full_layers"]
-    if plan == "h200":  # issue 5's harness in one go on one H200 (< 10 min with --budget-s 540), in priority order:
+    if plan == "h200":  # the whole harness in one go on one H200 (< 10 min with --budget-s 548), in priority order:
         # 1. the targets: Qwen3-8B r=384, both setups, all four variants; in fresh interpreters (exec workers, as a
         # training job runs) under the default --spawn fork: a forked worker measured the host-heavy variants up to
-        # 7-13% slower (sessions 23 and 29: the eager fallback 1.250x forked vs 1.159-1.168x exec)
+        # 7-13% slower (the eager fallback in pure bf16: 1.250x of LoRA forked vs 1.159-1.168x exec)
         add("qwen3-8b", layers_q, 384, variants=four)
         for c in cfgs:
             c["spawn"] = "exec"
@@ -614,12 +548,12 @@ def worker_cmd(c, a, result, profile_out):
            "--seq", str(a.seq), "--ga", str(a.ga), "--loss-tokens", str(a.loss_tokens),
            "--warmup", str(a.warmup), "--warmup-ga", str(a.warmup_ga), "--repeats", str(a.repeats),
            "--inf-warmup", str(a.inf_warmup), "--inf-repeats", str(a.inf_repeats)]
-    if a.old_pkg:
-        cmd += ["--old-pkg", os.path.abspath(a.old_pkg)]
     if c.get("full_depth") or c.get("repeats"):
         cmd[cmd.index("--repeats") + 1] = str(c.get("repeats") or 2)
     if c.get("profile"):
         cmd += ["--profile-out", profile_out]
+    if a.settings:
+        cmd += ["--settings", a.settings]
     return cmd
 
 
@@ -727,7 +661,7 @@ class GpuSampler:
     """``nvidia-smi`` sampling the GPU's SM clock, power draw, temperature, utilisation and clock-event reasons every
     ``ms`` milliseconds into ``path`` while the parent runs its workers; nothing where the device is not CUDA or
     ``nvidia-smi`` is missing. Each result then gets the samples of its timed iterations (``gpu_during_grad_iter``):
-    whether LoRA and fastdora ran at the same clocks (session 24: every timed window at the H200's 700 W power cap,
+    whether LoRA and fastdora ran at the same clocks (on the H200 their timed windows ran at the 700 W power cap,
     SM clock 1.66-1.90 GHz instead of 1.98)."""
 
     QUERY = "timestamp,clocks.sm,power.draw,temperature.gpu,utilization.gpu,clocks_throttle_reasons.active"
@@ -805,6 +739,11 @@ def run_parent(a):
                              "--sequence: the plan has no config")
         first = {k: cfgs[0][k] for k in ("shape", "layers", "rank", "setup")}
         cfgs = [dict(first, variant=v) for v in seq]
+    try:
+        settings = parse_settings(a.settings)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    check_settings(settings)
     if a.spawn == "fork":
         # before torch is imported: torch.cuda.is_available() (transformers may call it) then asks NVML instead of
         # initialising the CUDA driver, which a forked child could not use
@@ -843,7 +782,7 @@ def run_parent(a):
         doc = dict(meta=dict(argv=sys.argv, plan=a.plan, parent_pid=os.getpid(), seq=a.seq, ga=a.ga,
                              loss_tokens=a.loss_tokens, warmup=a.warmup, repeats=a.repeats,
                              inf_warmup=a.inf_warmup, inf_repeats=a.inf_repeats,
-                             lora_alpha=16, use_rslora=True, targets=TARGETS, spawn=a.spawn,
+                             lora_alpha=16, use_rslora=True, targets=TARGETS, spawn=a.spawn, settings=settings,
                              total_s=time.perf_counter() - t_begin,
                              date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())),
                    results=results, skipped=skipped, errors=errors)
@@ -915,8 +854,8 @@ _PEAKS = ("train_peak_alloc_gb", "train_peak_reserved_gb", "infer_peak_alloc_gb"
 
 
 def _pool(rs):
-    """One config run in several worker processes (plan ``final`` alternates LoRA and fastdora processes): the
-    median over every process's timed iterations, the largest peak memory; ``per_process`` keeps each process's own
+    """One config run in several worker processes (``--sequence`` with a variant repeated): the median over every
+    process's timed iterations, the largest peak memory; ``per_process`` keeps each process's own
     median. A config run once is returned as it is."""
     if len(rs) == 1:
         return rs[0]
@@ -1000,6 +939,30 @@ def tables(doc):
         for k, r in sorted(pooled):
             md.append(f"- {k[0]} L={k[1]} {k[2]} r={k[3]} {VARIANT_LABEL[k[4]]}: " + ", ".join(
                 f"{p['grad_iter_s']:.3f} s / {p['infer_s'] * 1e3:.1f} ms" for p in r["per_process"]))
+    return "\n".join(md)
+
+
+def summary_table(doc):
+    """One row per (shape, layers, setup, rank): LoRA's gradient iteration, then fastdora's and the eager fallback's
+    ratios to LoRA and PEFT DoRA's to fastdora (time: median gradient iteration / inference; memory: peak allocated
+    of the training iterations). The headline table of benchmarks/README.md."""
+    idx = _index(doc["results"])
+    groups = sorted({k[:4] for k in idx}, key=lambda k: (k[0] != "qwen3-8b", k[0], k[1], k[2], k[3]))
+
+    def rat(a, b, field):
+        x, y = a and a.get(field), b and b.get(field)
+        return f"{x / y:.3f}x" if (x and y) else "-"
+
+    md = ["| shape | layers | setup | r | LoRA grad iter | fastdora / LoRA | PEFT DoRA / fastdora | eager / LoRA | "
+          "inference: fastdora / LoRA | PEFT DoRA / fastdora | eager / LoRA | peak alloc fastdora / LoRA |",
+          "|" + "---|" * 12]
+    for g in groups:
+        lo, pd, fd, eg = (idx.get(g + (v,)) for v in ("lora", "peft_dora", "fastdora", "eager"))
+        md.append(f"| {g[0]} | {g[1]} | {g[2]} | {g[3]} | "
+                  + (f"{lo['grad_iter_s']:.3f} s" if lo else "-") + " | "
+                  + " | ".join([rat(fd, lo, "grad_iter_s"), rat(pd, fd, "grad_iter_s"), rat(eg, lo, "grad_iter_s"),
+                                rat(fd, lo, "infer_s"), rat(pd, fd, "infer_s"), rat(eg, lo, "infer_s"),
+                                rat(fd, lo, "train_peak_alloc_gb")]) + " |")
     return "\n".join(md)
 
 
@@ -1141,7 +1104,10 @@ def report(path, outdir=None):
     gpu = next((r.get("gpu") for r in doc["results"] if r.get("gpu")), "cpu")
     head = f"Device: {gpu}; versions: {vers}; run {doc.get('meta', {}).get('date')}, " \
            f"total {doc.get('meta', {}).get('total_s', 0):.0f} s\n"
-    md = head + "\n" + t + "\n\n### Targets\n\n" + tc + "\n" + ("\n" + "\n\n".join(extra) + "\n" if extra else "")
+    if doc.get("meta", {}).get("settings"):
+        head += f"\nfastdora variants under internal settings {doc['meta']['settings']} (fastdora.config.override)\n"
+    md = (head + "\n### Summary\n\n" + summary_table(doc) + "\n\n### All results\n\n" + t + "\n\n### Targets\n\n" + tc
+          + "\n" + ("\n" + "\n\n".join(extra) + "\n" if extra else ""))
     with open(os.path.join(outdir, "model_bench.md"), "w") as f:
         f.write(md)
     plot(doc, os.path.join(outdir, "model_bench.png"))
@@ -1165,17 +1131,18 @@ def build_parser():
                         "r=384 target block)")
     p.add_argument("--report", help="regenerate tables/plot from a model_bench.json (or several, comma-separated)")
     p.add_argument("--report-out", help="--report: folder for the merged json / md / png")
-    p.add_argument("--old-pkg", default=None, help="folder holding an earlier fastdora package (variant fastdora_old)")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
-    p.add_argument("--plan", default="h200", choices=["h200", "targets", "full", "r16", "coverage", "tiny", "final",
-                                                      "gpu0", "gpu1", "bf16", "amp", "bf16_ab", "amp_ab", "bf16_fuse",
-                                                      "amp_fuse", "mistral_bf16", "mistral_amp", "eager_bf16"])
+    p.add_argument("--plan", default="h200", choices=PLANS)
     p.add_argument("--variants", help="parent: run only these variants of the plan (comma-separated)")
     p.add_argument("--sequence", help="parent: run the plan's first config (shape, layers, rank, setup) with these "
-                   "variants in this order, repeats allowed (comma-separated; e.g. --plan bf16 --sequence "
-                   "lora,fastdora,fastdora_old,fastdora,fastdora_old,lora)")
+                   "variants in this order, repeats allowed, pooled in the report (comma-separated; e.g. --plan "
+                   "bf16 --sequence lora,fastdora,lora,fastdora)")
+    p.add_argument("--settings", default="",
+                   help="internal settings for the fastdora variants, NAME=VALUE comma-separated (Python literals, "
+                        "e.g. layer_node=False,graph_norm=False): the worker runs under "
+                        "fastdora.config.override(...)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test): --plan tiny, short seq")
-    p.add_argument("--budget-s", type=float, default=540.0,
+    p.add_argument("--budget-s", type=float, default=548.0,
                    help="parent: launch no config expected to end after this many seconds")
     p.add_argument("--layers", type=int, default=8, help="decoder layers for Qwen3-8B shapes")
     p.add_argument("--layers-mistral", type=int, default=3, help="decoder layers for Mistral-Small-24B shapes")

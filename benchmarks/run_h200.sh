@@ -1,69 +1,77 @@
 #!/usr/bin/env bash
-# One device call (nvidia-h200, run from the repo root): model-level benchmark, then training equivalence.
-# Writes at most 8 files to $OUT (the device tool's limit) and prints the final tables last.
+# The H200 benchmarks, one subcommand per headline figure; from the repository root, on one H200 (each fits a
+# 10-minute run, the C++ node's first build included):
 #
-#   bash benchmarks/run_h200.sh [BENCH_BUDGET_S=270] [PARTS=bench,equiv] [PLAN=h200]
+#   bash benchmarks/run_h200.sh harness   model-level harness: model_bench.py --plan h200 (all configs, targets table,
+#                                         plot; ~460 s + ~20-50 s for the node)
+#   bash benchmarks/run_h200.sh train     training equivalence: train_equivalence.py, seeds 0 and 1, 1000 steps, the
+#                                         four runs at once on the GPU (~300 s)
+#   bash benchmarks/run_h200.sh kernels   kernel microbenchmarks: kernels_bench.py, default sections (~80 s)
+#   bash benchmarks/run_h200.sh suite     the whole GPU test suite: pytest tests -m gpu (~350 s)
 #
-# BENCH_BUDGET_S: model_bench stops launching configurations after this many seconds (priority order:
-#   Qwen3-8B r=384 (targets; AMP ones profiled), Qwen3-8B r=16, Mistral-Small-24B r=384/16, other ranks, full depth).
-# Training equivalence (2 seeds x 2 variants): after the bench it gets ~3.5 min (4 processes in parallel; on the
-# H200 that reached only 450-500 of the 1000 steps: 4 processes sharing one GPU ran ~0.3 s/step each). For the full
-# 1000 steps give it a call of its own: `bash benchmarks/run_h200.sh 0 equiv` (2 at a time, up to ~9.5 min).
-set -u
-BUDGET=${1:-270}
-PARTS=${2:-bench,equiv}
-PLAN=${3:-h200}
-OUT=${OUT:-$PWD/benchmarks/results/h200_run}
+# Results go to $OUT (default benchmarks/results/<name>_h200_<UTC date>/): JSON, markdown table, plot and log; the
+# script prints each step's wall time (also in $OUT/times.log).
+# Environment: PLAN (the harness's plan, default h200: every config; targets: the Qwen3-8B r=384 target block
+#   alone, ~130 s), BENCH_S (the harness's --budget-s, default 548), TRAIN_S (training workers' time limit, default 350),
+#   SUITE_S (the suite's time limit, default 560), PYTHON (default python3), FASTDORA_CACHE_DIR (where the C++ node
+#   is built and cached: a cache carried from an earlier run saves the build).
+# fastdora need not be installed: benchmarks/_env.sh maps this checkout's core/ to `fastdora` on PYTHONPATH.
+set -uo pipefail
+cmd=${1:-}
+case "$cmd" in
+  harness) name=model_bench ;;
+  train) name=train_equivalence ;;
+  kernels) name=kernels ;;
+  suite) name=gpu_tests ;;
+  *) echo "usage: bash benchmarks/run_h200.sh harness|train|kernels|suite" >&2; exit 2 ;;
+esac
+[ -n "${OUT:-}" ] && OUT=$(realpath -m "$OUT")
+cd "$(dirname "$0")/.."
+source benchmarks/_env.sh
+PY=${PYTHON:-python3}
+OUT=${OUT:-$PWD/benchmarks/results/${name}_h200_$(date -u +%F)}
 mkdir -p "$OUT"
 WORK=$(mktemp -d /tmp/fastdora_bench.XXXX)
-export PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
-# TINY=1: CPU smoke test of this runner (tiny shapes, --device cpu)
-if [ "${TINY:-0}" = 1 ]; then SMOKE="--tiny --device cpu"; else SMOKE=""; fi
-exec > >(tee -a "$OUT/log.txt") 2>&1
-T0=$(date +%s)
-echo "== $(date -u) host $(hostname); budget ${BUDGET}s; parts ${PARTS}; plan ${PLAN}"
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv 2>/dev/null || true
+t0=$(date +%s)
 
-# make `import fastdora` work (core/ -> fastdora): editable install, else a symlink on PYTHONPATH
-if ! $PY -c "import fastdora" 2>/dev/null; then
-  $PY -m pip install -q -e . --no-deps --no-build-isolation >/dev/null 2>&1 || true
-fi
-if ! $PY -c "import fastdora" 2>/dev/null; then
-  mkdir -p "$WORK/path" && ln -sfn "$PWD/core" "$WORK/path/fastdora"
-  export PYTHONPATH="$WORK/path${PYTHONPATH:+:$PYTHONPATH}"
-fi
-$PY - <<'EOF'
-import torch, transformers, peft, fastdora
-print("torch", torch.__version__, "transformers", transformers.__version__, "peft", peft.__version__,
-      "fastdora", fastdora.__file__)
-try:
-    import triton; print("triton", triton.__version__)
-except Exception as e: print("triton: not importable", e)
-from fastdora.kernels import compose, norm
-print("kernels: compose.AVAILABLE", compose.AVAILABLE, "norm.AVAILABLE", getattr(norm, "AVAILABLE", None))
-EOF
+step() {  # step NAME: the wall time since the start
+  echo "$1 $(( $(date +%s) - t0 )) s" | tee -a "$OUT/times.log"
+}
 
-if [[ $PARTS == *bench* ]]; then
-  echo "== model_bench ($(($(date +%s) - T0))s)"
-  $PY benchmarks/model_bench.py --out "$WORK/mb" --budget-s "$BUDGET" --plan "$PLAN" $SMOKE > "$WORK/mb.log" 2>&1
-  grep -v "^|" "$WORK/mb.log" | grep -v "^$" | head -80
-  for f in model_bench.json model_bench.md model_bench.png model_bench_profile.txt; do
-    [ -f "$WORK/mb/$f" ] && cp "$WORK/mb/$f" "$OUT/"
-  done
-fi
-if [[ $PARTS == *equiv* ]]; then
-  echo "== train_equivalence ($(($(date +%s) - T0))s)"
-  if [[ $PARTS == *bench* ]]; then TE="--parallel 4 --timeout-s 200 --max-train-s 140"   # after the bench: what is left
-  else TE="--parallel ${TE_PARALLEL:-2} --timeout-s 560 --max-train-s 260"; fi            # a call of its own
-  $PY benchmarks/train_equivalence.py --out "$WORK/te" $TE $SMOKE > "$WORK/te.log" 2>&1
-  grep "^\[" "$WORK/te.log"
-  grep -B2 -A30 "Traceback" "$WORK/te/te_workers/"*.log 2>/dev/null | head -60
-  for f in train_equivalence.json train_equivalence.md train_equivalence.png; do
-    [ -f "$WORK/te/$f" ] && cp "$WORK/te/$f" "$OUT/"
-  done
-fi
-echo "== done in $(($(date +%s) - T0))s"
-[ -f "$OUT/model_bench_profile.txt" ] && grep "^====" "$OUT/model_bench_profile.txt"
-[ -f "$OUT/model_bench.md" ] && { echo; echo "#### MODEL BENCH"; cat "$OUT/model_bench.md"; }
-[ -f "$OUT/train_equivalence.md" ] && { echo; echo "#### TRAIN EQUIVALENCE"; cat "$OUT/train_equivalence.md"; }
+nvidia-smi --query-gpu=name,memory.total,power.limit,driver_version --format=csv,noheader 2>/dev/null || true
+$PY -c "import torch, transformers, peft, triton, fastdora; print('torch', torch.__version__, '| transformers',
+transformers.__version__, '| peft', peft.__version__, '| triton', triton.__version__, '| fastdora', fastdora.__file__)"
+# the C++ composition node, built (or loaded from FASTDORA_CACHE_DIR) before anything is measured
+$PY -c "from fastdora import dispatch; from fastdora.kernels import native; dispatch.native_node(required=True)
+print('C++ node:', native.status(), '| kernel launch:', native.launch_status())" 2>&1 | grep -v Warn | tail -2
+step node
+
+case "$cmd" in
+  harness)
+    budget=${BENCH_S:-548}
+    timeout $(( budget + 65 )) $PY benchmarks/model_bench.py --out "$WORK/mb" --plan "${PLAN:-h200}" --budget-s "$budget" \
+      > "$OUT/model_bench.log" 2>&1
+    for f in json md png; do cp "$WORK/mb/model_bench.$f" "$OUT/" 2>/dev/null; done
+    grep "^\[\|MISS\|TARGETS\|WARNING" "$OUT/model_bench.log" | tail -60
+    step harness
+    ;;
+  train)
+    limit=${TRAIN_S:-350}
+    timeout $(( limit + 70 )) $PY benchmarks/train_equivalence.py --out "$WORK/te" --seeds 0 1 --steps 1000 \
+      --parallel 4 --max-train-s "$limit" --timeout-s $(( limit + 50 )) > "$OUT/train_equivalence.log" 2>&1
+    for f in json md png; do cp "$WORK/te/train_equivalence.$f" "$OUT/" 2>/dev/null; done
+    grep -v -i "warn" "$OUT/train_equivalence.log" | tail -20
+    step train
+    ;;
+  kernels)
+    $PY benchmarks/kernels_bench.py --out "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1
+    grep -v -i "warn" "$OUT/kernels.log" | tail -80
+    step kernels
+    ;;
+  suite)
+    timeout "${SUITE_S:-560}" $PY -m pytest tests -m gpu -q -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+    tail -8 "$OUT/gpu_tests.log"
+    step suite
+    ;;
+esac
+rm -rf "$WORK"

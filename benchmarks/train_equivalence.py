@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Training equivalence (issue 5): fastdora DoRA vs stock PEFT DoRA, same init, same data order.
+"""Training equivalence: fastdora DoRA vs stock PEFT DoRA, same init, same data order.
 
 A randomly initialised Qwen3-style causal LM (default: hidden 1024, 12 layers, intermediate 2816, 16 heads / 8 KV,
 head_dim 64, ~150M parameters; base frozen in bf16) with DoRA r=64 (rsLoRA, alpha 16) on all linear projections
@@ -294,6 +294,7 @@ def report(path, outdir=None):
     docs = load_docs(path)
     doc = docs[0]
     outdir = outdir or os.path.dirname(os.path.abspath(paths[0]))
+    os.makedirs(outdir, exist_ok=True)
     if len(docs) > 1:
         doc = dict(meta=dict(docs[0].get("meta", {}), merged_from=[d.get("meta") for d in docs]),
                    runs=sorted((r for d in docs for r in d["runs"]), key=lambda r: (r["seed"], r["variant"])),
@@ -322,7 +323,8 @@ def report(path, outdir=None):
         e_ok = s["final_eval_abs_diff"] <= 5e-4
         ok_all &= m_ok and e_ok and s["same_init"] and s.get("same_steps", True) and s["steps"] >= 1000
         lines.append(f"| {s['seed']} | {s['same_init']} | {s['steps']} | {s['mean_abs_step_loss_diff']:.2e} | "
-                     f"{s['max_abs_step_loss_diff']:.2e} | {s['mean_abs_step_loss_diff_last100']:.2e} | {s.get('eval_step')} | "
+                     f"{s['max_abs_step_loss_diff']:.2e} | {s['mean_abs_step_loss_diff_last100']:.2e} | "
+                     f"{s.get('eval_step')} | "
                      f"{s['final_eval_peft']:.5f} | {s['final_eval_fastdora']:.5f} | {s['final_eval_abs_diff']:.2e} | "
                      f"{'PASS' if m_ok else 'MISS'} | {'PASS' if e_ok else 'MISS'} |")
     c = doc.get("seed_to_seed_control")
@@ -331,9 +333,10 @@ def report(path, outdir=None):
                      f"final eval diff {c['final_eval_abs_diff']:.2e}.")
     for r in doc["runs"]:
         if r["variant"] == "fastdora":
+            peft_s = next((q["train_s"] for q in doc["runs"] if q["seed"] == r["seed"] and q["variant"] == "peft"),
+                          float("nan"))
             lines.append(f"\nfastdora seed {r['seed']}: enable report {r.get('enable_report')}; paths "
-                         f"{r.get('path_counter')}; train {r['train_s']:.1f}s vs PEFT "
-                         f"{next((q['train_s'] for q in doc['runs'] if q['seed'] == r['seed'] and q['variant'] == 'peft'), float('nan')):.1f}s")
+                         f"{r.get('path_counter')}; train {r['train_s']:.1f}s vs PEFT {peft_s:.1f}s")
     if doc.get("errors"):
         lines.append("\nErrors: " + "; ".join(f"seed {e['seed']} {e['variant']} rc={e['rc']}" for e in doc["errors"]))
         ok_all = False

@@ -170,6 +170,8 @@ def zero3_selfcheck(args, model, device):
     """Outside any forward every ZeRO-3 param is partitioned: fastdora's norm must then gather W (cache miss only) and
     copy A, B inside their own calls. Compare with the norm of the gathered dense weights."""
     import deepspeed
+
+    import fastdora
     from fastdora import distributed as fdd
     from fastdora.stats import active_path_counter
 
@@ -178,7 +180,7 @@ def zero3_selfcheck(args, model, device):
     mag, s = fdd.unwrap(layer.lora_magnitude_vector["default"]), layer.scaling["default"]
     status = {"W": str(base.weight.ds_status), "A": str(A.weight.ds_status), "B": str(B.weight.ds_status)}
     before = dict(active_path_counter)
-    fdd.invalidate()
+    fastdora.invalidate_norm_cache()
     x = torch.randn(3, base.in_features, device=device, dtype=torch.bfloat16 if args.bf16 else torch.float32)
     with torch.no_grad():
         norm, _ = fdd.linear_norm_and_lora(mag, x, base, A, B, s, "default")
@@ -297,7 +299,7 @@ def run_one(args, engine, impl, ws, rank, device):
         "median_step_time_s": sorted(times[1:] or times)[len(times[1:] or times) // 2],
         "peak_mem_gib": peak,
         "counters": counters,
-        "fastdora_epoch": fastdora.distributed.epoch(),
+        "fastdora_epoch": fastdora.cache.epoch(),
         "zero3_selfcheck": selfcheck,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "config": {k: v for k, v in vars(args).items() if k not in ("engines", "impls", "out")},
