@@ -1,5 +1,5 @@
-"""The model-level benchmark harness (issue 5, ``benchmarks/model_bench.py``): its default plan covers every row the
-issue asks for, and a whole run (parent, one forked worker per variant, report) works end to end on the CPU at tiny
+"""The model-level benchmark harness (``benchmarks/model_bench.py``): its default plan covers every row of the
+targets table, and a whole run (parent, one forked worker per variant, report) works end to end on the CPU at tiny
 shapes. Timings are not asserted here (the H200 runs are in ``benchmarks/results/``)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH = os.path.join(REPO, "benchmarks")
 
 
@@ -26,7 +26,7 @@ def mb():
         sys.path.remove(BENCH)
 
 
-def test_plan_h200_covers_issue_5(mb):
+def test_plan_h200_covers_the_targets(mb):
     cfgs = mb.plan_configs("h200", 8, 3)
     keys = [tuple(sorted(c.items())) for c in cfgs]
     assert len(keys) == len(set(keys)), "a config is planned twice"
@@ -51,6 +51,38 @@ def test_plan_h200_covers_issue_5(mb):
     assert all(not c.get("repeats") or c["repeats"] >= 3 for c in cfgs)
 
 
+def test_every_plan_runs_known_variants(mb):
+    """Each plan the parser offers yields configs (no duplicates) of the four variants only."""
+    assert mb.VARIANTS == ["lora", "peft_dora", "fastdora", "eager"]
+    for plan in mb.PLANS:
+        cfgs = mb.plan_configs(plan, 8, 3)
+        assert cfgs, plan
+        assert {c["variant"] for c in cfgs} <= set(mb.VARIANTS), plan
+        keys = [tuple(sorted(c.items())) for c in cfgs]
+        assert len(keys) == len(set(keys)), plan
+    # one setup's r=384 targets alone: all four variants
+    assert [(c["setup"], c["rank"], c["variant"]) for c in mb.plan_configs("bf16", 8, 3)] == [
+        ("bf16", 384, v) for v in mb.VARIANTS]
+
+
+def test_settings_parsed_and_unknown_refused(mb, tmp_path):
+    """--settings: Python literals (a bare word as a string); an unknown internal setting is refused before
+    anything runs."""
+    assert mb.parse_settings("") == {}
+    assert mb.parse_settings("layer_node=False, norm_budget_mb=8,bwd_evict=evict_first") == {
+        "layer_node": False, "norm_budget_mb": 8, "bwd_evict": "evict_first"}
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        mb.parse_settings("layer_node")
+    mb.check_settings({"layer_node": False, "graph_norm": False})  # known: no error
+    with pytest.raises(SystemExit, match="nope"):
+        mb.check_settings({"nope": 1})
+    r = subprocess.run([sys.executable, os.path.join(BENCH, "model_bench.py"), "--tiny", "--device", "cpu",
+                        "--out", str(tmp_path / "mb"), "--settings", "nope=1"], capture_output=True, text=True,
+                       cwd=REPO)
+    assert r.returncode != 0 and "nope" in r.stderr
+    assert not (tmp_path / "mb").exists()
+
+
 def test_every_variant_has_label_color_and_options(mb):
     """The report and plot name and colour every variant (a missing one raised KeyError after a whole run); every
     fastdora variant's options are valid ``fastdora.enable`` options."""
@@ -62,12 +94,30 @@ def test_every_variant_has_label_color_and_options(mb):
         config.make_options(**opts)
 
 
+def test_summary_table_ratios(mb):
+    """The headline table: one row per config, fastdora's and the eager fallback's ratios to LoRA, PEFT DoRA's to
+    fastdora; a variant not run shows "-"."""
+    def rec(v, g, i, peak):
+        return dict(shape="qwen3-8b", layers=8, setup="amp", rank=384, variant=v, grad_iter_s=g, infer_s=i,
+                    train_peak_alloc_gb=peak)
+
+    doc = dict(meta={}, results=[rec("lora", 1.0, 0.040, 10.0), rec("fastdora", 0.9, 0.036, 10.1),
+                                 rec("peft_dora", 1.8, 0.090, 11.0), rec("eager", 1.1, 0.044, 10.0),
+                                 dict(rec("lora", 2.0, 0.1, 5.0), rank=16),
+                                 dict(rec("fastdora", 2.2, 0.1, 5.0), rank=16)])
+    rows = mb.summary_table(doc).splitlines()
+    assert len(rows) == 4 and rows[0].startswith("| shape | layers | setup | r | LoRA grad iter | fastdora / LoRA |")
+    assert rows[2] == "| qwen3-8b | 8 | amp | 16 | 2.000 s | 1.100x | - | - | 1.000x | - | - | 1.000x |"
+    assert rows[3] == ("| qwen3-8b | 8 | amp | 384 | 1.000 s | 0.900x | 2.000x | 1.100x | 0.900x | 2.500x | 1.100x "
+                       "| 1.010x |")
+
+
 def test_fork_cuda_failure_is_recognised(mb):
     """The errors a forked worker raises when the parent initialised CUDA: the parent falls back to exec workers."""
     assert mb.fork_broke_cuda("RuntimeError: Cannot re-initialize CUDA in forked subprocess. To use CUDA with ...")
     assert mb.fork_broke_cuda("torch.AcceleratorError: CUDA error: initialization error\nCUDA kernel errors ...")
     assert not mb.fork_broke_cuda("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
-    assert not mb.fork_broke_cuda("RuntimeError: variant fastdora_old needs --old-pkg DIR (DIR/fastdora)")
+    assert not mb.fork_broke_cuda("RuntimeError: fastdora: kernels='triton' was requested but Triton is not importable")
 
 
 def test_variants_filter_rejects_unknown(tmp_path):
@@ -82,19 +132,24 @@ def test_sequence_runs_the_given_order(tmp_path):
     unknown names are refused before anything runs."""
     out = tmp_path / "mb"
     cmd = [sys.executable, os.path.join(BENCH, "model_bench.py"), "--tiny", "--device", "cpu", "--out", str(out),
-           "--repeats", "1", "--inf-repeats", "1", "--warmup", "1"]
+           "--repeats", "1", "--inf-repeats", "1", "--warmup", "1", "--budget-s", "3000"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("TRITON_INTERPRET", None)
     r = subprocess.run(cmd + ["--sequence", "lora,nope"], capture_output=True, text=True, env=env, cwd=REPO)
     assert r.returncode != 0 and "unknown ['nope']" in r.stderr and not out.exists()
-    r = subprocess.run(cmd + ["--sequence", "fastdora,lora,fastdora"], capture_output=True, text=True, env=env,
-                       cwd=REPO, timeout=600)
+    # with an internal setting: the fastdora workers run under fastdora.config.override, LoRA's ignores it
+    r = subprocess.run(cmd + ["--sequence", "fastdora,lora,fastdora", "--settings", "lean_forward=False"],
+                       capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads((out / "model_bench.json").read_text())
     assert [(x["rank"], x["setup"], x["variant"]) for x in doc["results"]] == [
         (8, "amp", "fastdora"), (8, "amp", "lora"), (8, "amp", "fastdora")]
+    assert [x.get("settings") for x in doc["results"]] == [{"lean_forward": False}, None, {"lean_forward": False}]
+    assert doc["meta"]["settings"] == {"lean_forward": False}
     assert "[profile]" not in r.stdout  # plan tiny's profiling flags are not copied
-    assert "fastdora DoRA | 2 |" in (out / "model_bench.md").read_text()  # the two processes pooled
+    md = (out / "model_bench.md").read_text()
+    assert "fastdora DoRA | 2 |" in md  # the two processes pooled
+    assert "internal settings {'lean_forward': False}" in md
 
 
 @pytest.mark.parametrize("spawn", ["fork", "exec"])
@@ -104,7 +159,8 @@ def test_tiny_run_end_to_end(tmp_path, spawn):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("TRITON_INTERPRET", None)
     r = subprocess.run([sys.executable, os.path.join(BENCH, "model_bench.py"), "--tiny", "--device", "cpu",
-                        "--out", str(out), "--spawn", spawn, "--variants", ",".join(variants), "--repeats", "2"],
+                        "--out", str(out), "--spawn", spawn, "--variants", ",".join(variants), "--repeats", "2",
+                        "--budget-s", "3000"],  # no config skipped on a slow or busy CPU
                        capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads((out / "model_bench.json").read_text())
@@ -133,6 +189,7 @@ def test_tiny_run_end_to_end(tmp_path, spawn):
             assert "enable_report" not in x
     md = (out / "model_bench.md").read_text()
     assert "| tiny | 2 | amp | 8 | fastdora DoRA | 2 |" in md and "### Targets" in md
+    assert "### Summary" in md and "\n| tiny | 2 | amp | 4 | " in md
     assert ("except these configs' (a fresh interpreter each, exec): tiny L=2 amp r=8" in md) == (spawn == "fork")
 
 
@@ -193,143 +250,3 @@ def test_gpu_sampler_runs_nvidia_smi(mb, tmp_path, monkeypatch):
     assert len(samples) >= 3 and all(s[1:] == (1830.0, 690.25, 62.0, 96.0, 4) for s in samples)
     assert all(abs(s[0] - t0) < 5 for s in samples)  # local-time stamps read back as epoch seconds
     assert sampler.proc.poll() is not None  # stopped
-
-
-def test_gap_probe_attributes_idle_time():
-    """gap_probe.analyse on a hand-built trace: the idle gaps between GPU events, their phase, size and cause
-    (host late: the launch ending a gap came after the GPU went idle; else a GPU-side wait), the op around a late
-    launch (innermost, on the launching thread), and the synchronising runtime calls."""
-    sys.path.insert(0, BENCH)
-    try:
-        import gap_probe
-    finally:
-        sys.path.remove(BENCH)
-
-    def kern(ts, dur, corr, cat="kernel"):
-        return {"cat": cat, "name": "k", "ts": ts, "dur": dur, "args": {"correlation": corr}}
-
-    def rt(ts, corr, name="cudaLaunchKernel", tid=1, dur=2):
-        return {"cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur, "tid": tid, "args": {"correlation": corr}}
-
-    def span(name, ts, dur, tid=1, cat="user_annotation"):
-        return {"cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
-
-    ev = [
-        span("fwd:0", 0, 400), span("bwd:0", 400, 600), span("fwd:1", 1000, 300), span("step:0", 1300, 200),
-        span("aten::mm", 0, 50, cat="cpu_op"), span("fastdora::norm", 100, 300), span("aten::add", 150, 10,
-                                                                                           cat="cpu_op"),  # ended
-        span("aten::mul", 160, 5, tid=2, cat="cpu_op"),  # another thread: never the launching op
-        rt(10, 1), kern(20, 100, 1),                 # busy 20-120
-        rt(30, 2), kern(125, 5, 2),                  # gap 5 us, launched before the GPU went idle: gpu_wait
-        rt(162, 3), kern(200, 50, 3),                # gap 70 us, launched at 162 > 130: host late, in fastdora::norm
-        rt(450, 4), kern(460, 40, 4, "gpu_memcpy"),  # gap 210 us, host late, in bwd0, no op around it
-        rt(1100, 5), kern(2600, 10, 5),              # gap 2100 us, host late in fwd*
-        rt(1320, 6, name="cudaStreamSynchronize", dur=30), rt(1400, 7, name="cudaFree", dur=8),
-    ]
-    r = gap_probe.analyse({"traceEvents": ev}, min_gap_us=2.0)
-    assert r["gpu_events"] == 5 and r["launches"] == 5
-    assert r["window_ms"] == pytest.approx((2610 - 20) / 1e3)
-    assert r["gpu_event_ms"] == pytest.approx(205 / 1e3)
-    assert r["idle_ms"] == pytest.approx((5 + 70 + 210 + 2100) / 1e3)
-    assert r["idle_ms_by_cause"] == pytest.approx({"gpu_wait": 0.005, "host_late": 2.38})
-    assert r["idle_ms_by_phase"] == pytest.approx({"fwd0/gpu_wait": 0.005, "fwd0/host_late": 0.07,
-                                                   "bwd0/host_late": 0.21, "fwd*/host_late": 2.1})
-    assert r["idle_ms_by_size"] == pytest.approx({"<10us": 0.005, "10-50us": 0.0, "50-200us": 0.07,
-                                                  "0.2-1ms": 0.21, ">1ms": 2.1})
-    assert r["host_late_ms_by_op"] == pytest.approx({"fastdora::norm": 0.07, "(no op)": 2.31})
-    assert r["runtime_calls"] == {"cudaStreamSynchronize": {"count": 1, "host_ms": 0.03},
-                                  "cudaFree": {"count": 1, "host_ms": 0.008}}
-    assert gap_probe.analyse({"traceEvents": ev[:8]}) == {"gpu_events": 0}
-    # the host's time: top-level ops per thread (main: the phases' thread) and phase group, self time by op
-    assert r["host_top_level_ms"] == pytest.approx({"main/fwd": 0.352, "main/bwd": 0.002, "main/step": 0.038,
-                                                    "other/fwd": 0.005})
-    assert r["host_self_ms"] == pytest.approx({
-        "main/fwd|fastdora::norm": 0.288, "main/fwd|aten::mm": 0.046, "main/fwd|aten::add": 0.010,
-        "main/fwd|cudaLaunchKernel": 0.008, "main/bwd|cudaLaunchKernel": 0.002,
-        "main/step|cudaStreamSynchronize": 0.030, "main/step|cudaFree": 0.008, "other/fwd|aten::mul": 0.005})
-    assert r["host_calls"]["main/fwd|cudaLaunchKernel"] == 4
-    assert r["host_self_small_ms"] == pytest.approx(r["host_self_ms"])  # every op here has few children
-    assert r["host_calls_small"]["main/fwd|fastdora::norm"] == 1
-    many = ev + [rt(110 + i, 100 + i, dur=0.5) for i in range(gap_probe.SMALL_CHILDREN + 1)]  # norm: 15 children
-    r3 = gap_probe.analyse({"traceEvents": many})
-    assert "main/fwd|fastdora::norm" in r3["host_self_ms"] and "main/fwd|fastdora::norm" not in r3["host_self_small_ms"]
-    assert r3["host_self_small_ms"]["main/fwd|aten::add"] == pytest.approx(0.010)
-    # without record_function ranges (a CUDA-only profile): the phases from host Unix-ns marks and the trace's base
-    base = 1_000_000_000
-    marks = [("fwd:0", base, base + 400_000), ("bwd:0", base + 400_000, base + 1_000_000),
-             ("fwd:1", base + 1_000_000, base + 1_300_000)]
-    bare = [e for e in ev if e["cat"] != "user_annotation"]
-    r2 = gap_probe.analyse({"traceEvents": bare, "baseTimeNanoseconds": base}, marks=marks)
-    assert r2["idle_ms_by_phase"] == r["idle_ms_by_phase"]
-    assert r2["host_late_ms_by_op"] == pytest.approx({"(no op)": 2.38})  # fastdora::norm was a range: gone
-
-
-def test_gap_probe_median_tree():
-    """The probe's summary: per leaf of the rows' nested results the median over rows, missing leaves as 0."""
-    sys.path.insert(0, BENCH)
-    try:
-        import gap_probe
-    finally:
-        sys.path.remove(BENCH)
-    rows = [{"wall_ms": 3.0, "ops": {"idle": {"a": 1.0, "b": 5.0}, "n": 4}},
-            {"wall_ms": 1.0, "ops": {"idle": {"a": 3.0}, "n": 6}},
-            {"wall_ms": 2.0, "ops": {"idle": {"a": 2.0, "b": None}, "n": 5}}]
-    assert gap_probe._median_tree(rows) == {"wall_ms": 2.0, "ops": {"idle": {"a": 2.0, "b": 0.0}, "n": 5}}
-
-
-def test_gap_probe_tiny_run(tmp_path):
-    """The probe runs end to end on the CPU (no GPU events there: the analysis is the test above)."""
-    out = tmp_path / "gap.json"
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    subprocess.run([sys.executable, os.path.join(BENCH, "gap_probe.py"), "--tiny", "--rounds", "1", "--out",
-                    str(out)], check=True, env=env, cwd=REPO, capture_output=True, timeout=600)
-    doc = json.loads(out.read_text())
-    assert set(doc["summary"]) == {"lora", "fastdora"}
-    assert [r["variant"] for r in doc["rows"]] == ["lora", "fastdora"]
-    assert all(r["cuda"]["gpu_events"] == 0 and r["ops"]["wall_ms"] > 0 for r in doc["rows"])
-
-
-def test_gpu_host_probe_cpu_run(tmp_path):
-    """gpu_host_probe.py end to end on the CPU (the eager path; the GPU variants need CUDA): every setup x mode has
-    per-variant microseconds per layer for LoRA and fastdora, and the cProfile tables of the profiled modes name
-    fastdora's lean forward for fastdora and not for LoRA."""
-    out = tmp_path / "ghp.json"
-    subprocess.run([sys.executable, os.path.join(BENCH, "gpu_host_probe.py"), "--device", "cpu", "--d", "16",
-                    "--tokens", "2", "--rank", "4", "--layers", "2", "--rounds", "2", "--iters", "2", "--warmup", "1",
-                    "--cprofile", "2", "--out", str(out)], check=True, cwd=REPO, capture_output=True, timeout=600)
-    doc = json.loads(out.read_text())
-    assert set(doc["results"]) == {f"{s}/{m}" for s in ("bf16", "amp") for m in ("train", "ckpt", "fwd")}
-    for key, res in doc["results"].items():
-        assert set(res["us_per_layer"]) == {"lora", "fastdora"} and min(res["us_per_layer"].values()) > 0, key
-        assert all(len(r) == 2 for r in res["rounds"].values()), key
-        if key.endswith(("/fwd", "/ckpt")):
-            fns = {v: " ".join(r["fn"] for r in rows) for v, rows in res["cprofile"].items()}
-            assert "lean_linear_forward" in fns["fastdora"] and "lean_linear_forward" not in fns["lora"], key
-        else:
-            assert "cprofile" not in res, key
-
-
-def test_gap_probe_folds_pyspy_stacks():
-    """gap_probe.fold_stacks on hand-written py-spy raw lines: per thread, waits (a sync / futex / the GIL near the
-    leaf) vs CPU, inclusive counts once per stack, self counts by leaf, main-thread stacks outside the loop left out."""
-    sys.path.insert(0, BENCH)
-    try:
-        import gap_probe
-    finally:
-        sys.path.remove(BENCH)
-    text = "\n".join([
-        "thread (1): MainThread;main (a.py:1);spied (a.py:2);forward (m.py:3);at::mm (libtorch.so) 7",
-        "thread (1): MainThread;main (a.py:1);spied (a.py:2);forward (m.py:3);forward (m.py:3);cudaStreamSynchronize"
-        " (libcudart.so) 3",
-        "thread (1): MainThread;main (a.py:1);time_sleep (libpython.so) 50",  # outside the loop
-        "thread (2): pt_autograd_0;Engine::thread_main (libtorch.so);pthread_cond_wait (libc.so.6) 20",
-        "thread (2): pt_autograd_0;Engine::thread_main (libtorch.so);ComposeNode::apply (native.so) 5",
-        "not a stack line",
-    ])
-    f = gap_probe.fold_stacks(text, main_marker="spied (")
-    assert f["MainThread"]["samples"] == 10 and f["MainThread"]["waiting"] == 3 and f["MainThread"]["cpu"] == 7
-    assert f["MainThread"]["incl"]["forward (m.py:3)"] == 10  # counted once per stack, not per frame
-    assert f["MainThread"]["self"] == {"at::mm (libtorch.so)": 7, "cudaStreamSynchronize (libcudart.so)": 3}
-    auto = f["pt_autograd_0"]
-    assert (auto["samples"], auto["waiting"], auto["cpu"]) == (25, 20, 5)
-    assert gap_probe.fold_stacks(text)["MainThread"]["samples"] == 60
