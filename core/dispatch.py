@@ -39,9 +39,15 @@ def triton_available() -> bool:
 def _triton(kernels: str):
     """The Triton implementation, or None (an error where ``kernels="triton"`` asked for it and Triton is missing)."""
     impl = _compose.triton_impl() if triton_available() else None
-    if impl is None and kernels == "triton":
-        raise RuntimeError("fastdora: kernels='triton' was requested but Triton is not importable")
+    if impl is None:
+        _no_triton(kernels)
     return impl
+
+
+def _no_triton(kernels: str) -> None:
+    """Triton is missing: an error where ``kernels="triton"`` asked for it, nothing otherwise (eager runs)."""
+    if kernels == "triton":
+        raise RuntimeError("fastdora: kernels='triton' was requested but Triton is not importable")
 
 
 def native_node(required: Optional[bool] = None):
@@ -96,8 +102,7 @@ def _wants_triton(kernels: str, *tensors: Optional[torch.Tensor]) -> bool:
     if not ts or not all(t.is_cuda for t in ts):
         return False
     if not triton_available():
-        if kernels == "triton":
-            raise RuntimeError("fastdora: kernels='triton' was requested but Triton is not importable")
+        _no_triton(kernels)
         return False
     return True
 
