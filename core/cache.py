@@ -21,10 +21,15 @@ as long as its key sees every change:
 
 Entries live in plain ``_fastdora_norm`` (adapter -> (key, norm)) and ``_fastdora_base`` ((key, ||W||^2)) attributes
 of the magnitude module: never parameters or buffers (PEFT's checkpoints and dtype tests depend on that).
+
+Under ``torch.compile`` the norm is computed inside an opaque op that sees tensors only (``fastdora.dispatch``'s
+``fastdora::cached_norm``): its entries are held by the storage of the layer's ``lora_B`` factor (a weak key: an entry
+goes with its factor) under the single-device key, so views and aliases of the same parameters share one entry.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -33,7 +38,7 @@ from torch import nn
 from .stats import record
 
 __all__ = ["epoch", "invalidate", "ensure_step_hook", "keys", "local_key", "tensor_key", "get", "base", "put",
-           "clear", "drop_from_state", "ATTRS"]
+           "clear", "drop_from_state", "ATTRS", "anchored_get", "anchored_put"]
 
 _EPOCH = 0  # bumped after every optimizer step / load_state_dict / invalidate()
 _LOAD_EPOCH = 0  # bumped on load_state_dict / invalidate() only (the frozen base weight's norm)
@@ -179,3 +184,28 @@ def drop_from_state(state: dict) -> dict:
         if name in state:
             state[name] = empty
     return state
+
+
+# ----------------------------------------------------------------------------- entries held by a factor's storage
+
+_ANCHORED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # storage -> (key, norm, wkey, base_sq)
+
+
+def anchored_get(anchor: torch.Tensor, key, wkey) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``(norm, base_sq)`` cached on ``anchor``'s storage: the norm under ``key`` (a hit is counted as
+    ``norm:cached``), else None and the base norm under ``wkey`` (or None)."""
+    entry = _ANCHORED.get(anchor.untyped_storage()) if key is not None else None
+    if entry is None:
+        return None, None
+    if entry[0] == key:
+        record("norm:cached")
+        return entry[1], None
+    return None, (entry[3] if (wkey is not None and entry[2] == wkey) else None)
+
+
+def anchored_put(anchor: torch.Tensor, key, norm: torch.Tensor, wkey, base_sq: torch.Tensor,
+                 base_was_cached: bool) -> None:
+    """Store a computed norm on ``anchor``'s storage; counts ``norm:computed`` or ``norm:computed_base_cached``."""
+    record("norm:computed_base_cached" if base_was_cached else "norm:computed")
+    if key is not None and wkey is not None:
+        _ANCHORED[anchor.untyped_storage()] = (key, norm, wkey, base_sq)

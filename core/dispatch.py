@@ -6,6 +6,12 @@
   from 1K to 64M elements on the H200, so the threshold is the smallest size measured).
 - Exact PyTorch fallback (``fastdora.ops.compose.EAGER``, ``fastdora.ops.norm.factored_norm_eager``): CPU, no
   Triton, ``kernels="eager"``, channel-first (conv) layouts, a trainable base bias, tiny problems.
+
+Under ``torch.compile`` the composition is one custom op per direction (``fastdora.ops.compose``) and the cached norm
+is the custom op ``fastdora::cached_norm`` (:func:`compiled_norm`): opaque to the compiler, it looks the norm up in the
+cache when the compiled graph runs, so a compiled model computes each norm once per optimizer step, as in eager mode,
+and its guards see nothing that changes between steps (no recompilation). It is tagged ``cudagraph_unsafe``: a CUDA
+graph must not replay a cache lookup, so ``mode="reduce-overhead"`` captures the rest of the graph around it.
 """
 
 from __future__ import annotations
@@ -15,13 +21,14 @@ from typing import Optional
 
 import torch
 
+from . import cache as _cache
 from .config import SETTINGS as _S
 from .ops import compose as _compose
 from .ops.norm import factored_norm_eager
 from .stats import path_key, record
 
 __all__ = ["compose_impl", "norm_impl", "layer_node", "triton_available", "native_node", "dora_compose",
-           "factored_norm"]
+           "factored_norm", "cached_norm", "compiled_norm", "HAS_NORM_OP"]
 
 _EAGER = _compose.EAGER
 
@@ -162,10 +169,70 @@ def dora_compose(
         if base_delta is not None:
             out_dtype = torch.promote_types(out_dtype, base_delta.dtype)
     impl = compose_impl(result, lora, magnitude, bias, base_delta, feature_dim, kernels)
-    if kind is not None:
+    if kind is not None and not torch.compiler.is_compiling():  # (a traced dict update would guard the graph)
         record(path_key(kind, impl.name))
     if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
         # inference path: no autograd node, nothing saved
         return impl.compose_fwd(result, lora, magnitude, norm, scale, eps, bias, base_delta, out_dtype, False,
                                 feature_dim)[0]
     return impl.apply(result, lora, magnitude, norm, bias, base_delta, scale, eps, out_dtype, feature_dim)
+
+
+# ------------------------------------------------------------------------------------------- under torch.compile
+
+
+def _acc(*tensors: torch.Tensor) -> torch.dtype:
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def cached_norm(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float,
+                kernels: str = "auto") -> torch.Tensor:
+    """The detached row norm of ``weight + scale * lora_B @ lora_A`` through the norm cache, keyed on these tensors
+    alone (``cache.local_key``; the entry is held by ``lora_B``'s storage): what ``fastdora::cached_norm`` runs. The
+    returned tensor is the cached one (callers must not modify it)."""
+    _cache.ensure_step_hook()
+    key, wkey = _cache.local_key(weight, lora_A, lora_B, scale)
+    hit, base_sq = _cache.anchored_get(lora_B, key, wkey)
+    if hit is not None:
+        return hit
+    norm, base_sq_new = factored_norm(weight, lora_A, lora_B, scale, base_sq, _S.norm_budget_bytes, kernels)
+    norm = norm.to(_acc(weight, lora_A, lora_B))
+    _cache.anchored_put(lora_B, key, norm, wkey, base_sq_new, base_sq is not None)
+    return norm
+
+
+def _define_norm_op() -> bool:
+    """Register ``fastdora::cached_norm`` (tagged ``cudagraph_unsafe``, with a fake implementation); False where this
+    torch lacks ``custom_op`` or the tag (then a compiled model traces the norm as plain PyTorch ops)."""
+    tag = getattr(torch.Tag, "cudagraph_unsafe", None)
+    if tag is None or not hasattr(torch.library, "custom_op"):
+        return False
+    try:
+        if hasattr(torch.ops.fastdora, "cached_norm"):
+            return True  # already registered (module imported under a second name)
+    except Exception:  # pragma: no cover
+        pass
+    try:
+        @torch.library.custom_op("fastdora::cached_norm", mutates_args=(), tags=(tag,))
+        def _cached_norm_op(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float,
+                            kernels: str) -> torch.Tensor:
+            record("compiled:norm_op")  # (runs only inside compiled graphs: proof that one ran fastdora's norm)
+            # a copy: the compiled graph owns its op outputs and may reuse their memory
+            return cached_norm(weight, lora_A, lora_B, scale, kernels).clone()
+
+        @_cached_norm_op.register_fake
+        def _(weight, lora_A, lora_B, scale, kernels):
+            return weight.new_empty((weight.shape[0],), dtype=_acc(weight, lora_A, lora_B))
+    except Exception:  # pragma: no cover
+        return False
+    return True
+
+
+HAS_NORM_OP = _define_norm_op()
+
+
+def compiled_norm(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float,
+                  kernels: str) -> torch.Tensor:
+    """:func:`cached_norm` as one opaque op while ``torch.compile`` traces (``weight`` must be the stored base weight
+    or a view of it: the cache keys on its identity and version). No gradient flows through the norm."""
+    return torch.ops.fastdora.cached_norm(weight.detach(), lora_A.detach(), lora_B.detach(), float(scale), kernels)

@@ -112,6 +112,25 @@ def _base_layer(module: nn.Module) -> nn.Module:
 
 
 _PLAIN_PARAM = (nn.Parameter, torch.Tensor)
+
+
+def _is_plain(weight: torch.Tensor) -> bool:
+    """A weight stored as itself: a plain parameter or tensor (not quantized, not a tensor subclass)."""
+    return type(weight) in _PLAIN_PARAM
+
+
+def _transpose(weight: torch.Tensor, fan_in_fan_out: bool) -> torch.Tensor:
+    """PEFT's ``transpose`` without its re-wrapping in a new ``nn.Parameter`` (same values; traceable)."""
+    return weight.T if fan_in_fan_out else weight
+
+
+def _effective_weight(base_layer: nn.Module) -> torch.Tensor:
+    """PEFT's ``dequantize_module_weight``: the base weight itself where it is stored plainly (without the checks
+    that ``torch.compile`` cannot trace), else PEFT's dequantization."""
+    w = base_layer.__dict__.get("_parameters", {}).get("weight")
+    if w is not None and _is_plain(w) and not hasattr(base_layer, "W_q"):
+        return w
+    return dequantize_module_weight(base_layer)
 _global_hooks = compat.global_module_hooks
 
 
@@ -211,7 +230,13 @@ class _FastDoraMixin:
         weight (dequantized / transposed / flattened) only when the norm must be computed.
         """
         kernels, budget = self._fd_options().kernels, _S.norm_budget_bytes
-        if torch.compiler.is_compiling() or not _S.cache_norm:
+        if torch.compiler.is_compiling():
+            # one opaque op that reads the cache when the graph runs, where weight_fn() is a view of the stored
+            # weight (a dequantized copy would be a new tensor at every call: traced as plain ops instead)
+            if _S.cache_norm and _dispatch.HAS_NORM_OP and _is_plain(weight_src):
+                return _dispatch.compiled_norm(weight_fn(), lora_A, lora_B, scale, kernels)
+            return factored_norm(weight_fn(), lora_A, lora_B, scale, None, budget, kernels)[0]
+        if not _S.cache_norm:
             return factored_norm(weight_fn(), lora_A, lora_B, scale, None, budget, kernels)[0]
         dist = _distributed.active()
         key, wkey = _cache.keys(self, weight_src, lora_A, lora_B, scale, dist)
@@ -284,7 +309,7 @@ class FastDoraLinearLayer(_FastDoraMixin, PEFT_CLASSES["DoraLinearLayer"]):
         fan_in_fan_out = self.fan_in_fan_out
 
         def weight_fn():
-            return transpose(dequantize_module_weight(base_layer), fan_in_fan_out)
+            return _transpose(_effective_weight(base_layer), fan_in_fan_out)
 
         return self._fd_weight_norm(
             _stored_weight(base_layer), weight_fn, lora_A.weight, lora_B.weight, scaling, adapter_name
@@ -314,8 +339,8 @@ class FastDoraLinearLayer(_FastDoraMixin, PEFT_CLASSES["DoraLinearLayer"]):
         if base_result is None:
             base_delta = _distributed.base_delta(base_layer, x, self.fan_in_fan_out) if _distributed.active() else None
             if base_delta is None:
-                weight = dequantize_module_weight(base_layer).to(x.dtype)
-                base_delta = F.linear(x, transpose(weight, self.fan_in_fan_out))
+                weight = _effective_weight(base_layer).to(x.dtype)
+                base_delta = F.linear(x, _transpose(weight, self.fan_in_fan_out))
         return self._fd_output(
             lora, norm, eps, scaling, base_layer, base_result, base_delta, fastdora_result, fastdora_out_dtype, -1
         )

@@ -36,6 +36,8 @@ def main() -> None:
     p.add_argument("--reentrant", action="store_true", help="reentrant gradient checkpointing (HF's default)")
     p.add_argument("--fastdora-options", default="{}", help="JSON dict of FastDoraCallback options")
     p.add_argument("--fsdp2", action="store_true", help="--trainer hf under FSDP2 (launch with torchrun)")
+    p.add_argument("--compile", action="store_true", help="TrainingArguments(torch_compile=True)")
+    p.add_argument("--no-gc", action="store_true", help="without gradient checkpointing")
     a = p.parse_args()
 
     import torch
@@ -55,9 +57,9 @@ def main() -> None:
     use_cpu = not torch.cuda.is_available()
     common = dict(
         output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=4, learning_rate=2e-3, logging_steps=1,
-        save_strategy="no", report_to=[], use_cpu=use_cpu, seed=0, data_seed=0, gradient_checkpointing=True,
+        save_strategy="no", report_to=[], use_cpu=use_cpu, seed=0, data_seed=0, gradient_checkpointing=not a.no_gc,
         gradient_checkpointing_kwargs={"use_reentrant": a.reentrant}, dataloader_num_workers=0, bf16=False, fp16=False,
-        lr_scheduler_type="constant", warmup_steps=0,
+        lr_scheduler_type="constant", warmup_steps=0, torch_compile=a.compile,
     )
     if a.fsdp2:
         assert a.trainer == "hf", "--fsdp2 is for --trainer hf"

@@ -1,7 +1,7 @@
 """End-to-end: HF ``Trainer`` and TRL (``SFTTrainer(peft_config=...)``, ``DPOTrainer`` with a PeftModel) with
 ``fastdora.plugins.FastDoraCallback``. Run inside the hf venv (transformers + trl + peft + torch).
 
-usage: python test_hf_trl.py WORK_DIR [--only hf,sft,dpo,fsdp2] [--plugin-options JSON]
+usage: python test_hf_trl.py WORK_DIR [--only hf,hf_compile,sft,dpo,fsdp2] [--plugin-options JSON]
 
 For each trainer: one run with the callback, one without (same seed, separate processes); asserts
 - fastdora's path ran in the training process (fastdora_report.json written by the plugin, counter > 0; the
@@ -15,6 +15,8 @@ decoder layer), with and without the callback: each rank wrote its own report (`
 ``fastdora_report.rank1.json`` on rank 1) showing converted layers on which fastdora's path ran, the norm was
 computed exactly once per layer per optimizer step on each rank, the loss curves agree within LOSS_ATOL, and nothing
 of fastdora ran without the callback.
+``hf_compile``: the HF Trainer run with ``torch_compile=True`` and the callback: the norm computed once per layer per
+optimizer step inside the compiled model, the losses equal to the eager runs' (fastdora and stock PEFT).
 """
 
 from __future__ import annotations
@@ -101,15 +103,55 @@ def one_fsdp2(work: str, paths: dict, plugin_options: str, steps: int = 4) -> di
             "seconds": {k: round(v, 1) for k, v in times.items()}}
 
 
+def one_compile(work: str, paths: dict, plugin_options: str, steps: int = 8) -> dict:
+    """HF Trainer with ``torch_compile=True`` and the callback: every DoRA layer ran inside the compiled model
+    (fastdora's norm op ran there; no layer recorded an eager call), the norm was computed once per layer per optimizer
+    step, and the losses equal the eager runs' (with and without fastdora: the ``hf`` case's runs, made here if that
+    case did not run)."""
+    what = "HF Trainer, torch_compile=True"
+    py = sys.executable
+    eager = {}
+    for mode in ("fastdora", "stock"):
+        d = os.path.join(work, f"hf_{mode}")
+        if not os.path.exists(os.path.join(d, "losses.json")):
+            cmd = [py, os.path.join(HERE, "hf_job.py"), "--trainer", "hf", "--model", paths["model"],
+                   "--data", paths["text"], "--out", d, "--steps", str(steps)]
+            run(cmd + (["--fastdora", "--fastdora-options", plugin_options] if mode == "fastdora" else []),
+                log_path=os.path.join(work, f"hf_{mode}.log"))
+        eager[mode] = json.load(open(os.path.join(d, "losses.json")))["losses"]
+    d = os.path.join(work, "hf_compile_fastdora")
+    # without gradient checkpointing: with it, transformers' checkpointed layers can fall back to eager under
+    # torch.compile (a graph break inside the checkpoint, from the `kernels` package's context variable), for LoRA too
+    seconds = run([py, os.path.join(HERE, "hf_job.py"), "--trainer", "hf", "--compile", "--no-gc",
+                   "--model", paths["model"], "--data", paths["text"], "--out", d, "--steps", str(steps),
+                   "--fastdora", "--fastdora-options", plugin_options],
+                  log_path=os.path.join(work, "hf_compile_fastdora.log"))
+    rep = check_report(d, what, expect_keys=("norm:",))
+    counter = rep["active_path_counter"]
+    computed = counter.get("norm:computed", 0) + counter.get("norm:computed_base_cached", 0)
+    assert computed == rep["fastdora_layers"] * steps, \
+        f"{what}: norm computed {computed} times for {rep['fastdora_layers']} layers x {steps} steps: {counter}"
+    assert counter.get("compiled:norm_op", 0) >= rep["fastdora_layers"] * steps, \
+        f"{what}: fastdora's norm op ran {counter.get('compiled:norm_op', 0)} times in compiled graphs: {counter}"
+    assert not any(k.startswith(("linear:", "embedding:")) for k in counter), \
+        f"{what}: DoRA layers ran outside the compiled graph: {counter}"
+    compiled = json.load(open(os.path.join(d, "losses.json")))["losses"]
+    diff = check_losses(compiled, eager["fastdora"], what + " vs eager fastdora")
+    diff_stock = check_losses(compiled, eager["stock"], what + " vs eager stock PEFT")
+    return {"trainer": what, "loss_max_abs_diff": diff, "loss_max_abs_diff_vs_stock": diff_stock,
+            "path_counter": counter, "fastdora_layers": rep["fastdora_layers"], "seconds": {"compiled": seconds}}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("work")
-    p.add_argument("--only", default="hf,sft,dpo,fsdp2")
+    p.add_argument("--only", default="hf,hf_compile,sft,dpo,fsdp2")
     p.add_argument("--plugin-options", default="{}", help="JSON dict of fastdora options for the plugin run")
     a = p.parse_args()
     os.makedirs(a.work, exist_ok=True)
     paths = tiny(a.work)
-    results = [one_fsdp2(a.work, paths, a.plugin_options) if t == "fsdp2" else one(t, a.work, paths, a.plugin_options)
+    cases = {"fsdp2": one_fsdp2, "hf_compile": one_compile}
+    results = [cases[t](a.work, paths, a.plugin_options) if t in cases else one(t, a.work, paths, a.plugin_options)
                for t in a.only.split(",")]
     write_summary(a.work, "hf_trl", {"results": results})
     log("PASS: " + ", ".join(r["trainer"] for r in results))

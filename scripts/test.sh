@@ -62,11 +62,12 @@ run_fastdora_tests() {  # run_fastdora_tests VENV [pytest arguments]
   (cd "$ROOT" && "$venv/bin/python" -m pytest tests -q -m "not gpu" -p no:cacheprovider "$@")
 }
 
-# the tests that do not touch PEFT (kernels under the interpreter, launch code, POET-X, the source checks) run once,
+# the tests that do not touch PEFT (kernels under the interpreter, launch code, POET-X, the source checks) and the
+# torch.compile tests (minutes of compilation; fastdora's compiled path does not depend on the PEFT release) run once,
 # with the newest PEFT; the oldest PEFT's pass runs everything else
 PEFT_FREE=(--ignore=tests/kernels/test_kernels_interpret.py --ignore=tests/kernels/test_launch.py
            --ignore=tests/kernels/test_launch_guard.py --ignore=tests/poetx --ignore=tests/test_architecture.py
-           --ignore=tests/test_compat.py)
+           --ignore=tests/test_compat.py --ignore=tests/peft/test_compile.py)
 
 run_peft_dora_tests() {  # run_peft_dora_tests VENV PEFT_VERSION
   local src; src=$(peft_source "$2")

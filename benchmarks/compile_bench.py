@@ -1,0 +1,304 @@
+#!/usr/bin/env python3
+"""DoRA under ``torch.compile``: fastdora vs stock PEFT DoRA vs stock PEFT LoRA, each compiled, side by side in one run.
+
+The model and the step are ``model_bench.py``'s (random-initialised Qwen3-8B-shaped decoder, ``--layers`` layers,
+DoRA / LoRA r on q,k,v,o,gate,up,down with rsLoRA, sequence 4096, batch 1, non-reentrant gradient checkpointing,
+loss on the last 1024 tokens, an SGD lr=0 step that bumps every adapter's version counter as a real step does).
+Every decoder layer is compiled (``layer.compile(mode=...)``, regional compilation: the layers share one compiled
+graph per grad mode); mode ``eager`` runs the same model uncompiled, for reference.
+
+Each config runs in its own process. A batch of processes builds, compiles and warms up at the same time (compilation
+is CPU work); then the parent lets them run one at a time, so each timed region has the GPU and the CPU to itself.
+
+Measures: gradient-iteration time (``--ga`` micro-batches fwd+bwd + optimizer step), inference forward time (eval,
+no_grad, the 4096-token prefill), peak allocated memory of the timed training iterations, the number of graphs
+compiled (``torch._dynamo`` counters: a recompilation across optimizer steps or micro-batches would show here), and
+for fastdora how often the norm was computed / reused (``fastdora.active_path_counter``). Medians over repeats.
+
+Usage (one H200, ~7 minutes):
+  python benchmarks/compile_bench.py --out DIR
+  python benchmarks/compile_bench.py --report DIR/compile_bench.json        # tables from saved results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+VARIANT_LABEL = {"lora": "PEFT LoRA", "peft_dora": "PEFT DoRA", "fastdora": "fastdora"}
+# targets: fastdora / LoRA (compiled, default mode) and PEFT DoRA / fastdora (training)
+TARGET_TRAIN, TARGET_INFER, TARGET_VS_DORA = 1.05, 1.03, 1.8
+
+
+def plan(ranks, setups, modes) -> list:
+    """Configs in the order they are measured: every (rank, setup) with the three variants compiled in the first
+    mode; the other modes (LoRA and fastdora; ``eager``: not compiled) at the first rank."""
+    cfgs = []
+    for r in ranks:
+        for s in setups:
+            for v in ("lora", "fastdora", "peft_dora"):
+                cfgs.append(dict(rank=r, setup=s, variant=v, mode=modes[0]))
+    for m in modes[1:]:
+        for s in setups:
+            for v in ("lora", "fastdora"):
+                cfgs.append(dict(rank=ranks[0], setup=s, variant=v, mode=m))
+    return cfgs
+
+
+# ------------------------------------------------------------------------------------------------------- worker
+
+
+def run_worker(a) -> None:
+    import gc
+
+    import torch
+    import torch.nn.functional as F
+
+    import model_bench as mb
+
+    dev = torch.device(a.device)
+    a.shape = "tiny" if a.tiny else "qwen3-8b"
+    model = mb.build_model(a, dev)
+    model, info = mb.apply_adapter(model, a, dev)
+    if a.mode != "eager":
+        # transformers' checkpointed layers trace the checkpoint inside the compiled region; a context variable that
+        # the `kernels` package sets in attention would break that graph (and run the whole layer eagerly)
+        if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+            torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+        layers = model.get_base_model().model.layers
+        for layer in layers:
+            layer.compile(mode=None if a.mode == "default" else a.mode)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(trainable, lr=0.0)
+    ctx, micro, sync = mb.step_inputs(a, dev)
+    keep = a.loss_tokens + 1
+
+    def loss_of(ids):
+        with ctx():
+            logits = model(input_ids=ids, logits_to_keep=keep, use_cache=False).logits
+        return F.cross_entropy(logits[0, :-1].float(), ids[0, -a.loss_tokens:])
+
+    def grad_iter():
+        for ids in micro:
+            (loss_of(ids) / len(micro)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def infer():
+        with torch.no_grad(), ctx():
+            return model(input_ids=micro[0], logits_to_keep=1, use_cache=False).logits
+
+    def timed(fn):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t0
+
+    rec = dict(rank=a.rank, setup=a.setup, variant=a.variant, mode=a.mode, layers=a.layers, seq=a.seq, ga=a.ga,
+               versions=dict(torch=torch.__version__), **info)
+    for mod in ("transformers", "peft", "triton"):
+        try:
+            rec["versions"][mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001
+            pass
+    from torch._dynamo.utils import counters
+
+    t0 = time.perf_counter()
+    model.train()
+    rec["warmup_grad_s"] = [timed(grad_iter) for _ in range(a.warmup)]
+    model.eval()
+    rec["warmup_infer_s"] = [timed(infer) for _ in range(a.warmup)]
+    model.train()
+    rec["warmup_s"] = time.perf_counter() - t0
+    graphs_after_warmup = int(counters["stats"]["unique_graphs"])
+    gc.collect()
+    print("READY", flush=True)
+    if sys.stdin.readline().strip() != "go":
+        sys.exit(3)
+    fd = sys.modules.get("fastdora")
+    if fd is not None:
+        fd.active_path_counter.clear()
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    ts = [timed(grad_iter) for _ in range(a.repeats)]
+    rec["grad_iter_s_all"], rec["grad_iter_s"] = ts, statistics.median(ts)
+    if dev.type == "cuda":
+        rec["train_peak_alloc_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9
+    train_counter = dict(fd.active_path_counter) if fd is not None else {}
+    model.eval()
+    ti = [timed(infer) for _ in range(a.inf_repeats)]
+    rec["infer_s_all"], rec["infer_s"] = ti, statistics.median(ti)
+    rec["graphs_compiled"] = int(counters["stats"]["unique_graphs"])
+    rec["graphs_compiled_while_timed"] = rec["graphs_compiled"] - graphs_after_warmup
+    rec["graph_breaks"] = int(sum(counters["graph_break"].values()))
+    if fd is not None:
+        c = dict(fd.active_path_counter)
+        rec["norm_counts_train"] = {k: v for k, v in train_counter.items() if k.startswith("norm:")}
+        rec["norm_op_calls_train"] = train_counter.get("compiled:norm_op", 0)
+        # DoRA layer calls that ran outside a compiled graph (each records its path; traced calls do not)
+        rec["eager_layer_calls_train"] = sum(v for k, v in train_counter.items() if k.startswith("linear:"))
+        rec["norm_counts_infer"] = {k: c.get(k, 0) - train_counter.get(k, 0) for k in c if k.startswith("norm:")}
+    with open(a.result, "w") as f:
+        json.dump(rec, f, indent=1)
+    sys.stdout.flush()
+    os._exit(0)  # the driver frees the device memory
+
+
+# ------------------------------------------------------------------------------------------------------- parent
+
+
+def worker_cmd(c, a, result) -> list:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--result", result, "--device", a.device,
+           "--rank", str(c["rank"]), "--setup", c["setup"], "--variant", c["variant"], "--mode", c["mode"],
+           "--layers", str(a.layers), "--seq", str(a.seq), "--ga", str(a.ga), "--loss-tokens", str(a.loss_tokens),
+           "--warmup", str(a.warmup), "--repeats", str(a.repeats), "--inf-repeats", str(a.inf_repeats)]
+    return cmd + (["--tiny"] if a.tiny else [])
+
+
+def run_parent(a) -> None:
+    os.makedirs(a.out, exist_ok=True)
+    cfgs = plan([int(r) for r in a.ranks.split(",")], a.setups.split(","), a.modes.split(","))
+    results, t_start = [], time.time()
+    for b0 in range(0, len(cfgs), a.parallel):
+        batch = []
+        for i, c in enumerate(cfgs[b0:b0 + a.parallel], start=b0):
+            if time.time() - t_start > a.budget_s:
+                break
+            res = os.path.join(a.out, f"cfg{i:02d}.json")
+            p = subprocess.Popen(worker_cmd(c, a, res), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=open(os.path.join(a.out, f"cfg{i:02d}.log"), "w"), text=True, cwd=REPO)
+            batch.append((c, p, res))
+        for c, p, res in batch:  # one at a time: the others wait (built, compiled, warmed up) for "go"
+            line = p.stdout.readline().strip()
+            rec, err = None, None
+            if line == "READY":
+                p.stdin.write("go\n")
+                p.stdin.flush()
+                try:
+                    p.wait(timeout=a.config_timeout_s)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    err = "timeout"
+                if err is None and os.path.exists(res):
+                    with open(res) as f:
+                        rec = json.load(f)
+            else:
+                p.kill()
+            if rec is None:
+                p.wait()
+                rec = dict(c, error=err or f"worker failed (rc {p.returncode}); see {os.path.basename(res)[:-5]}.log")
+            results.append(rec)
+            print(f"[{time.time() - t_start:5.0f}s] {c} -> "
+                  + (rec.get("error") or f"grad {rec['grad_iter_s']:.4f}s infer {rec['infer_s'] * 1e3:.2f}ms "
+                                         f"graphs {rec['graphs_compiled']}"), flush=True)
+        if not batch:
+            break
+    doc = dict(when=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), args=vars(a), results=results)
+    path = os.path.join(a.out, "compile_bench.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    report(path)
+
+
+def _row(results, **k):
+    for r in results:
+        if "error" not in r and all(r.get(n) == v for n, v in k.items()):
+            return r
+    return None
+
+
+def report(path: str, out_dir: str = None) -> None:
+    with open(path) as f:
+        doc = json.load(f)
+    res = doc["results"]
+    lines = [f"# DoRA under torch.compile ({doc['when']})", "",
+             "| rank | setup | mode | variant | grad iter (s) | vs LoRA | inference (ms) | vs LoRA | peak train (GB) "
+             "| graphs | norm computed / reused (train) |", "|" + "---|" * 11]
+    checks = []
+    for r in res:
+        if "error" in r:
+            lines.append(f"| {r['rank']} | {r['setup']} | {r['mode']} | {r['variant']} | error: {r['error']} "
+                         "| | | | | | |")
+            continue
+        lora = _row(res, rank=r["rank"], setup=r["setup"], mode=r["mode"], variant="lora")
+        tr = r["grad_iter_s"] / lora["grad_iter_s"] if lora else float("nan")
+        ir = r["infer_s"] / lora["infer_s"] if lora else float("nan")
+        nc = r.get("norm_counts_train", {})
+        norms = (f"{nc.get('norm:computed', 0) + nc.get('norm:computed_base_cached', 0)} / {nc.get('norm:cached', 0)}"
+                 if "norm_counts_train" in r else "")
+        lines.append(f"| {r['rank']} | {r['setup']} | {r['mode']} | {VARIANT_LABEL[r['variant']]} | "
+                     f"{r['grad_iter_s']:.4f} | {tr:.3f}x | {r['infer_s'] * 1e3:.2f} | {ir:.3f}x | "
+                     f"{r.get('train_peak_alloc_gb', float('nan')):.2f} | {r['graphs_compiled']} | {norms} |")
+        if r["variant"] == "fastdora" and r["mode"] != "eager" and lora:
+            tag = f"r={r['rank']} {r['setup']} {r['mode']}"
+            checks.append((f"{tag}: train fastdora / LoRA", tr, TARGET_TRAIN, tr <= TARGET_TRAIN))
+            checks.append((f"{tag}: inference fastdora / LoRA", ir, TARGET_INFER, ir <= TARGET_INFER))
+            dora = _row(res, rank=r["rank"], setup=r["setup"], mode=r["mode"], variant="peft_dora")
+            if dora:
+                sp = dora["grad_iter_s"] / r["grad_iter_s"]
+                checks.append((f"{tag}: train PEFT DoRA / fastdora", sp, TARGET_VS_DORA, sp >= TARGET_VS_DORA))
+            checks.append((f"{tag}: graphs compiled while timed", r["graphs_compiled_while_timed"], 0,
+                           r["graphs_compiled_while_timed"] == 0))
+            checks.append((f"{tag}: DoRA layer calls outside compiled graphs", r["eager_layer_calls_train"], 0,
+                           r["eager_layer_calls_train"] == 0))
+    lines += ["", "| check | value | target | |", "|---|---|---|---|"]
+    for name, v, t, ok in checks:
+        lines.append(f"| {name} | {v:.3f} | {t} | {'PASS' if ok else 'MISS'} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    with open(os.path.join(out_dir or os.path.dirname(path), "compile_bench.md"), "w") as f:
+        f.write(text)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--report", help="tables from a saved compile_bench.json")
+    p.add_argument("--report-out")
+    p.add_argument("--out", default=os.path.join(HERE, "results", "compile_bench"))
+    p.add_argument("--ranks", default="384,16")
+    p.add_argument("--setups", default="amp,bf16")
+    p.add_argument("--modes", default="default,reduce-overhead",
+                   help="torch.compile modes; the first is measured for every rank and setup")
+    p.add_argument("--parallel", type=int, default=8, help="processes building and compiling at the same time")
+    p.add_argument("--budget-s", type=float, default=480.0, help="start no batch after this many seconds")
+    p.add_argument("--config-timeout-s", type=float, default=120.0)
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--result")
+    p.add_argument("--rank", type=int, default=384)
+    p.add_argument("--setup", default="amp", choices=["amp", "bf16"])
+    p.add_argument("--variant", default="fastdora", choices=list(VARIANT_LABEL))
+    p.add_argument("--mode", default="default")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--ga", type=int, default=4)
+    p.add_argument("--loss-tokens", type=int, default=1024)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--inf-repeats", type=int, default=7)
+    return p
+
+
+def main() -> None:
+    a = build_parser().parse_args()
+    if a.tiny:
+        a.seq, a.loss_tokens, a.ga, a.layers = min(a.seq, 64), min(a.loss_tokens, 16), min(a.ga, 2), 2
+        a.repeats, a.inf_repeats, a.warmup = 2, 2, 2
+    from _bench_io import dispatch
+
+    dispatch(a, report, run_worker, run_parent)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,316 @@
+"""fastdora under ``torch.compile``: no graph breaks (stock PEFT has them), the cached norm inside the compiled graph
+(``fastdora::cached_norm``: computed once per optimizer step, not at all while nothing changes), no recompilation
+beyond LoRA's under the same sequence of calls, and the same outputs and gradients as eager fastdora and stock PEFT.
+
+CPU tests use the ``aot_eager`` backend (AOTAutograd's graphs, run without Inductor: fast) except one Inductor test;
+the GPU tests run Inductor (default mode and ``mode="reduce-overhead"``) with the Triton kernels."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+import fastdora
+from fastdora import dispatch
+from fastdora.stats import active_path_counter
+
+from ..helpers import MLP, ConvModel, EmbModel, GPT2Style, make_pair, model_input
+
+pytestmark = pytest.mark.skipif(not dispatch.HAS_NORM_OP, reason="this torch has no torch.library.custom_op")
+
+
+class Counting:
+    """A ``torch.compile`` backend that counts the graphs it compiles (``aot_eager`` or Inductor underneath)."""
+
+    def __init__(self, inner="aot_eager"):
+        self.inner, self.graphs = inner, 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        if self.inner == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, example_inputs)
+        from torch._dynamo.backends.debugging import aot_eager
+
+        return aot_eager(gm, example_inputs)
+
+
+def _norms(counter=active_path_counter):
+    return counter.get("norm:computed", 0) + counter.get("norm:computed_base_cached", 0)
+
+
+def _llama(layers=2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg)
+
+
+def _peft(base, dora=True, fast=True):
+    torch.manual_seed(1)  # init_lora_weights=False draws the adapters: the same draws for every variant
+    m = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, use_dora=dora, target_modules="all-linear",
+                                                       init_lora_weights=False))
+    if fast:
+        assert fastdora.enable(m).total_converted > 0
+    return m
+
+
+def _breaks(model, x) -> int:
+    torch._dynamo.reset()
+    return torch._dynamo.explain(model)(x).graph_break_count
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt2_conv1d", "embedding", "conv2d", "llama"])
+def test_no_graph_breaks(kind):
+    """fastdora's layers trace without a graph break (stock PEFT's DoRA breaks the graph at its weight
+    dequantization, ``transpose`` or parameter construction in several of these)."""
+    if kind == "llama":
+        base = _llama()
+        ref, fast = _peft(base, fast=False), _peft(base)
+        x = torch.randint(0, 64, (2, 8))
+        peft_breaks = _breaks(ref.base_model.model, x)
+    else:
+        fn = {"mlp": MLP, "gpt2_conv1d": GPT2Style, "embedding": EmbModel, "conv2d": lambda: ConvModel(2)}[kind]
+        ref, fast = make_pair(fn, fan_in_fan_out=kind == "gpt2_conv1d")
+        x = model_input(ref.base_model.model, torch.float32)
+        peft_breaks = _breaks(ref.base_model.model, x)
+    fast_breaks = _breaks(fast.base_model.model, x)
+    assert fast_breaks == 0, f"fastdora: {fast_breaks} graph breaks (stock PEFT: {peft_breaks})"
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt2_conv1d", "embedding"])
+def test_fullgraph_matches_eager_and_stock_peft(kind):
+    """``fullgraph=True`` compiles; outputs and every gradient equal eager fastdora's and stock PEFT's."""
+    from ..helpers import assert_close, assert_same_grads, forward_backward
+
+    fn = {"mlp": MLP, "gpt2_conv1d": GPT2Style, "embedding": EmbModel}[kind]
+    ref, fast = make_pair(fn, fan_in_fan_out=kind == "gpt2_conv1d")
+    x = model_input(ref.base_model.model, torch.float32)
+    torch._dynamo.reset()
+    active_path_counter.clear()
+    compiled = torch.compile(fast, fullgraph=True, backend="aot_eager")
+    out_c, g_c = forward_backward(compiled, x)
+    g_c = {k.replace("_orig_mod.", ""): v for k, v in g_c.items()}
+    assert active_path_counter["compiled:norm_op"] > 0  # the norm ran as fastdora's op inside the graph
+    out_e, g_e = forward_backward(fast, x)
+    out_r, g_r = forward_backward(ref, x)
+    assert_close(out_c, out_e, torch.float32, "compiled vs eager")
+    assert_close(out_c, out_r, torch.float32, "compiled vs stock PEFT")
+    assert_same_grads(g_c, g_e, torch.float32, "compiled vs eager")
+    assert_same_grads(g_c, g_r, torch.float32, "compiled vs stock PEFT")
+
+
+def _train(model, step_fn, steps=3, ga=2, fused=False):
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, fused=fused)
+    g = torch.Generator().manual_seed(5)
+    losses = []
+    for _ in range(steps):
+        for _ in range(ga):
+            x = torch.randint(0, 64, (2, 8), generator=g)
+            loss = step_fn(x).loss
+            (loss / ga).backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses
+
+
+@pytest.mark.parametrize("fused,checkpointing", [(False, True), (True, False)],
+                         ids=["foreach-checkpointed", "fused-plain"])
+def test_norm_once_per_step_no_recompiles(fused, checkpointing):
+    """Training with gradient accumulation (and non-reentrant checkpointing): the compiled model computes each norm
+    once per optimizer step (fused optimizers too: they bump no version counter, the step hook's epoch catches them),
+    its losses equal eager fastdora's, and it compiles exactly as many graphs as LoRA under the same calls
+    (train, eval, train again, a cache invalidation)."""
+    base = _llama()
+    if checkpointing and hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        # transformers' attention can set a context variable inside the checkpoint (the `kernels` package), which
+        # otherwise sends the whole checkpointed layer to eager, LoRA included
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    counts = {}
+    losses = {}
+    for name, dora, fast, compiled in [("eager", True, True, False), ("lora", False, False, True),
+                                       ("fastdora", True, True, True)]:
+        m = _peft(base, dora=dora, fast=fast)
+        if checkpointing:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        torch._dynamo.reset()
+        backend = Counting()
+        f = torch.compile(m, backend=backend) if compiled else m
+        active_path_counter.clear()
+        losses[name] = _train(m, lambda x: f(input_ids=x, labels=x), fused=fused)
+        layers = sum(1 for n, _ in m.named_modules() if n.endswith("lora_magnitude_vector.default"))
+        if name == "fastdora":
+            assert _norms() == layers * 3, dict(active_path_counter)  # 3 steps
+            assert active_path_counter["compiled:norm_op"] == layers * 2 * 3 * (2 if checkpointing else 1)
+            assert not any(k.startswith("linear:") for k in active_path_counter), dict(active_path_counter)
+        m.eval()
+        with torch.no_grad():
+            f(input_ids=torch.randint(0, 64, (2, 8)))
+        m.train()
+        fastdora.invalidate_norm_cache()
+        f(input_ids=torch.randint(0, 64, (2, 8)), labels=torch.randint(0, 64, (2, 8))).loss.backward()
+        counts[name] = backend.graphs
+    assert counts["fastdora"] == counts["lora"], counts
+    assert max(abs(a - b) for a, b in zip(losses["fastdora"], losses["eager"])) < 1e-5
+
+
+def test_inference_reuses_norm_and_sees_every_change():
+    """No-grad calls of a compiled model compute no norm while nothing changes; an in-place edit (version bump, no
+    optimizer step), a ``.data`` write followed by ``invalidate_norm_cache()`` and an optimizer step each make the
+    next call recompute, with outputs equal to stock PEFT's on the same parameters; never a recompilation."""
+    base = _llama()
+    m = _peft(base)
+    backend = Counting()
+    torch._dynamo.reset()
+    f = torch.compile(m, backend=backend)
+    x = torch.randint(0, 64, (2, 8))
+    layers = sum(1 for n, _ in m.named_modules() if n.endswith("lora_magnitude_vector.default"))
+    b_param = next(p for n, p in m.named_parameters() if "lora_B" in n)
+
+    def check_against_stock():
+        ref = _peft(base, fast=False)
+        ref.load_state_dict(m.state_dict())
+        torch.testing.assert_close(f(input_ids=x).logits, ref(input_ids=x).logits, rtol=2e-5, atol=2e-5)
+
+    m.eval()
+    with torch.no_grad():
+        f(input_ids=x)
+        active_path_counter.clear()
+        for _ in range(3):
+            f(input_ids=x)
+        assert _norms() == 0 and active_path_counter["norm:cached"] == 3 * layers
+        b_param.mul_(3.0)  # in place: one layer's key changes
+        active_path_counter.clear()
+        check_against_stock()
+        assert _norms() == 1, dict(active_path_counter)
+        b_param.data = b_param.data * 0.5  # a storage swap the key sees, plus the documented invalidation
+        fastdora.invalidate_norm_cache()
+        active_path_counter.clear()
+        check_against_stock()
+        assert _norms() == layers, dict(active_path_counter)
+    m.train()
+    opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1)
+    f(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    m.eval()
+    with torch.no_grad():
+        active_path_counter.clear()
+        check_against_stock()
+        assert _norms() == layers, dict(active_path_counter)
+    assert backend.graphs == 2  # one no-grad graph, one training graph
+
+
+def test_inductor_matches_eager():
+    """Inductor (CPU): outputs and gradients of the compiled fastdora model equal eager fastdora's."""
+    from ..helpers import assert_close, assert_same_grads, forward_backward
+
+    ref, fast = make_pair(MLP)
+    x = model_input(ref.base_model.model, torch.float32)
+    torch._dynamo.reset()
+    compiled = torch.compile(fast)
+    out_c, g_c = forward_backward(compiled, x)
+    g_c = {k.replace("_orig_mod.", ""): v for k, v in g_c.items()}
+    out_e, g_e = forward_backward(fast, x)
+    assert_close(out_c, out_e, torch.float32, "inductor vs eager")
+    assert_same_grads(g_c, g_e, torch.float32, "inductor vs eager")
+
+
+def test_quantized_or_distributed_weights_trace_plain_norm(monkeypatch):
+    """A base weight that is not stored plainly (here: a tensor subclass standing for a quantized weight) is not
+    keyed by the op (a dequantized copy is a new tensor at every call): the norm is traced as plain PyTorch ops."""
+    from fastdora import layers
+
+    assert layers._is_plain(torch.nn.Parameter(torch.zeros(2)))
+    assert layers._is_plain(torch.zeros(2))
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert not layers._is_plain(torch.zeros(2).as_subclass(Sub))
+
+
+# ------------------------------------------------------------------------------------------------------------- GPU
+
+
+def _gpu_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=2, num_attention_heads=8,
+                      num_key_value_heads=4, vocab_size=1000, max_position_embeddings=512)
+    return LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+@pytest.mark.parametrize("setup", ["amp", "bf16"])
+def test_gpu_compiled_training_and_stale_norm(mode, setup):
+    """On CUDA with Inductor (Triton norm and composition inside the compiled graph): training losses equal eager
+    fastdora's within bf16 rounding, the norm is computed once per layer per optimizer step, and after an in-place
+    change of an adapter (no optimizer step) the compiled model -- CUDA graphs included -- uses the new norm."""
+    base = _gpu_llama()
+    torch.manual_seed(1)
+    cfg = LoraConfig(r=32, lora_alpha=64, use_dora=True, init_lora_weights=False,
+                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    eager = get_peft_model(base, cfg, autocast_adapter_dtype=setup == "amp")
+    if setup == "bf16":
+        for p in eager.parameters():
+            p.data = p.data.to(torch.bfloat16)
+    comp = copy.deepcopy(eager)
+    fastdora.enable(eager, kernels="triton")
+    fastdora.enable(comp, kernels="triton")
+    layers = sum(1 for n, _ in comp.named_modules() if n.endswith("lora_magnitude_vector.default"))
+    torch._dynamo.reset()
+    for layer in comp.get_base_model().model.layers:
+        layer.compile(mode=None if mode == "default" else mode)
+    ctx = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if setup == "amp" else contextlib.nullcontext
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 1000, (2, 128), generator=g).cuda() for _ in range(6)]
+    losses = {}
+    for name, m in (("eager", eager), ("compiled", comp)):
+        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3)
+        active_path_counter.clear()
+        out = []
+        for step in range(3):
+            for mb in range(2):
+                ids = batches[2 * step + mb]
+                with ctx():
+                    loss = m(input_ids=ids, labels=ids).loss
+                (loss / 2).backward()
+                out.append(loss.item())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        losses[name] = out
+        if name == "compiled":
+            assert _norms() == layers * 3, dict(active_path_counter)
+            assert active_path_counter["compiled:norm_op"] == layers * 6, dict(active_path_counter)
+    diff = max(abs(a - b) / abs(b) for a, b in zip(losses["compiled"], losses["eager"]))
+    assert diff < 2e-2, (losses, diff)
+    # a change no optimizer step announces: the compiled (CUDA-graphed) model must not replay the old norm
+    comp.eval()
+    eager.eval()
+    eager.load_state_dict(comp.state_dict())
+    with torch.no_grad():
+        ids = batches[0]
+        for _ in range(3):  # warm the no-grad graph (CUDA graphs record on a later call)
+            with ctx():
+                comp(input_ids=ids)
+        for m in (comp, eager):
+            for n, p in m.named_parameters():
+                if "lora_B" in n:
+                    p.mul_(4.0)
+        for _ in range(2):
+            with ctx():
+                got = comp(input_ids=ids).logits.float()
+        with ctx():
+            want = eager(input_ids=ids).logits.float()
+    err = ((got - want).norm() / want.norm()).item()
+    assert err < 2e-2, err
