@@ -75,12 +75,13 @@ def find_trainer_state(output_dir: str) -> str:
     return max(cands, key=step_of)
 
 
-def check_losses(fast: list, stock: list, what: str, atol: float = LOSS_ATOL, must_decrease: bool = True) -> float:
+def check_losses(fast: list, stock: list, what: str, atol: float = LOSS_ATOL, must_decrease: bool = True,
+                 names: tuple = ("fastdora", "stock")) -> float:
     assert len(fast) == len(stock) and len(fast) >= 3, f"{what}: loss logs differ in length: {fast} vs {stock}"
     assert [s for s, _ in fast] == [s for s, _ in stock], f"{what}: logged steps differ"
     diff = max(abs(a - b) for (_, a), (_, b) in zip(fast, stock))
     log(f"{what}: {len(fast)} losses, first {fast[0][1]:.5f} last {fast[-1][1]:.5f}; "
-        f"max |loss(fastdora) - loss(stock)| = {diff:.2e} (tolerance {atol:g})")
+        f"max |loss({names[0]}) - loss({names[1]})| = {diff:.2e} (tolerance {atol:g})")
     assert diff <= atol, f"{what}: loss curves differ by {diff} > {atol}"
     if must_decrease:
         assert fast[-1][1] < fast[0][1], f"{what}: loss did not go down: {fast}"
@@ -129,14 +130,15 @@ def stock_logits(python: str, base: str, adapter: str, out: str, env=None) -> No
     run([python, os.path.join(HERE, "peft_load_check.py"), base, adapter, out], env=env)
 
 
-def compare_logits(trained: str, stock: str, what: str, atol: float = LOGITS_ATOL) -> float:
+def compare_logits(trained: str, stock: str, what: str, atol: float = LOGITS_ATOL,
+                   stock_name: str = "adapter loaded in stock PEFT") -> float:
     import torch
 
     a = torch.load(trained)
     b = torch.load(stock)
     assert a.shape == b.shape, (a.shape, b.shape)
     diff = (a.float() - b.float()).abs().max().item()
-    log(f"{what}: max |logits(trained model) - logits(adapter loaded in stock PEFT)| = {diff:.2e} "
+    log(f"{what}: max |logits(trained model) - logits({stock_name})| = {diff:.2e} "
         f"(tolerance {atol:g}, logits scale {b.abs().max().item():.2f})")
     assert diff <= atol, f"{what}: logits differ by {diff}"
     return diff

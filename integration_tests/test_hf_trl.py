@@ -1,7 +1,7 @@
 """End-to-end: HF ``Trainer`` and TRL (``SFTTrainer(peft_config=...)``, ``DPOTrainer`` with a PeftModel) with
 ``fastdora.plugins.FastDoraCallback``. Run inside the hf venv (transformers + trl + peft + torch).
 
-usage: python test_hf_trl.py WORK_DIR [--only hf,hf_compile,sft,dpo,fsdp2] [--plugin-options JSON]
+usage: python test_hf_trl.py WORK_DIR [--only hf,hf_compile,sft,dpo,fsdp2,poetx_hf,poetx_sft] [--plugin-options JSON]
 
 For each trainer: one run with the callback, one without (same seed, separate processes); asserts
 - fastdora's path ran in the training process (fastdora_report.json written by the plugin, counter > 0; the
@@ -17,6 +17,14 @@ computed exactly once per layer per optimizer step on each rank, the loss curves
 of fastdora ran without the callback.
 ``hf_compile``: the HF Trainer run with ``torch_compile=True`` and the callback: the norm computed once per layer per
 optimizer step inside the compiled model, the losses equal to the eager runs' (fastdora and stock PEFT).
+``poetx_hf`` / ``poetx_sft``: full training with ``fastdora.plugins.PoetXCallback`` (HF Trainer / TRL SFTTrainer,
+gradient accumulation and checkpointing, merges every 3 optimizer steps, 8 steps, a checkpoint every 4), then the
+same job resumed from ``checkpoint-4`` in a new process; asserts
+- POET-X ran in the training process (``poetx_report.json`` written there: converted layers, merges after steps 3
+  and 6; every layer merged twice),
+- the loss went down, and the resumed run's losses of steps 5-8 equal the uninterrupted run's within LOSS_ATOL,
+- the exported model loads in stock transformers in a fresh process (fastdora not imported, no missing or unexpected
+  weight, plain ``nn.Linear`` layers) with the trained POET-X model's logits within LOGITS_ATOL.
 """
 
 from __future__ import annotations
@@ -142,17 +150,63 @@ def one_compile(work: str, paths: dict, plugin_options: str, steps: int = 8) -> 
             "path_counter": counter, "fastdora_layers": rep["fastdora_layers"], "seconds": {"compiled": seconds}}
 
 
+POETX_MERGE_INTERVAL, POETX_STEPS = 3, 8
+
+
+def one_poetx(trainer: str, work: str, paths: dict) -> dict:
+    what = {"hf": "HF Trainer + POET-X", "sft": "TRL SFTTrainer + POET-X"}[trainer]
+    options = json.dumps({"block_size": 16, "merge_interval": POETX_MERGE_INTERVAL})
+    full, resumed = os.path.join(work, f"poetx_{trainer}_full"), os.path.join(work, f"poetx_{trainer}_resumed")
+    times = {}
+    base = [sys.executable, os.path.join(HERE, "poetx_job.py"), "--trainer", trainer, "--model", paths["model"],
+            "--data", paths["text"], "--steps", str(POETX_STEPS), "--options", options]
+    times["full"] = run(base + ["--out", full], log_path=full + ".log")
+    times["resumed"] = run(base + ["--out", resumed, "--resume", os.path.join(full, "checkpoint-4")],
+                           log_path=resumed + ".log")
+    res_full = json.load(open(os.path.join(full, "losses.json")))
+    res_resumed = json.load(open(os.path.join(resumed, "losses.json")))
+    rep = json.load(open(os.path.join(full, "poetx_report.json")))
+    expected = [s for s in range(1, POETX_STEPS + 1) if s % POETX_MERGE_INTERVAL == 0]
+    assert rep["pid"] == res_full["pid"] != os.getpid(), f"{what}: the report is not the training process's"
+    assert rep["converted"] and len(rep["converted"]) == res_full["poetx_layers"], rep
+    assert rep["merges_at_steps"] == res_full["merges"] == expected, (rep["merges_at_steps"], expected)
+    assert res_full["merge_counts"] == [len(expected)], res_full["merge_counts"]
+    assert res_resumed["merges"] == [s for s in expected if s > 4] and res_resumed["merge_counts"] == [len(expected)]
+    log(f"{what}: {len(rep['converted'])} layers converted, {len(rep['skipped'])} skipped "
+        f"({sorted(set(rep['skipped'].values()))}); merges after steps {rep['merges_at_steps']}")
+    curve = res_full["losses"]
+    assert [s for s, _ in curve] == list(range(1, POETX_STEPS + 1)), curve
+    assert curve[-1][1] < curve[0][1], f"{what}: loss did not go down: {curve}"
+    tail = [(s, loss) for s, loss in res_resumed["losses"] if s > 4]
+    resume_diff = check_losses(tail, curve[4:], what, must_decrease=False, names=("resumed at step 4", "uninterrupted"))
+    stock_out = os.path.join(full, "stock_logits.pt")
+    times["stock_load"] = run([sys.executable, os.path.join(HERE, "stock_model_check.py"),
+                               os.path.join(full, "exported"), stock_out])
+    logit_diff = compare_logits(os.path.join(full, PROBE_FILE), stock_out, what,
+                                stock_name="exported model loaded in stock transformers")
+    return {"trainer": what, "resume_loss_max_abs_diff": resume_diff, "logits_max_abs_diff": logit_diff,
+            "merges": rep["merges_at_steps"], "converted_layers": len(rep["converted"]),
+            "first_last_loss": [curve[0][1], curve[-1][1]], "seconds": {k: round(v, 1) for k, v in times.items()}}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("work")
-    p.add_argument("--only", default="hf,hf_compile,sft,dpo,fsdp2")
+    p.add_argument("--only", default="hf,hf_compile,sft,dpo,fsdp2,poetx_hf,poetx_sft")
     p.add_argument("--plugin-options", default="{}", help="JSON dict of fastdora options for the plugin run")
     a = p.parse_args()
     os.makedirs(a.work, exist_ok=True)
     paths = tiny(a.work)
-    cases = {"fsdp2": one_fsdp2, "hf_compile": one_compile}
-    results = [cases[t](a.work, paths, a.plugin_options) if t in cases else one(t, a.work, paths, a.plugin_options)
-               for t in a.only.split(",")]
+    results = []
+    for t in a.only.split(","):
+        if t == "fsdp2":
+            results.append(one_fsdp2(a.work, paths, a.plugin_options))
+        elif t == "hf_compile":
+            results.append(one_compile(a.work, paths, a.plugin_options))
+        elif t.startswith("poetx_"):
+            results.append(one_poetx(t[len("poetx_"):], a.work, paths))
+        else:
+            results.append(one(t, a.work, paths, a.plugin_options))
     write_summary(a.work, "hf_trl", {"results": results})
     log("PASS: " + ", ".join(r["trainer"] for r in results))
 

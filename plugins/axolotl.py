@@ -29,7 +29,24 @@ loaded again in the child):
   re-checks the model at ``on_train_begin`` and writes ``fastdora_report.json`` into ``output_dir`` at the end
   (``fastdora_report.rank<N>.json`` from rank N of a multi-process run).
 
-``axolotl`` and ``pydantic`` are imported only when ``FastDoraPlugin`` / ``FastDoraArgs`` are looked up.
+POET-X (:mod:`fastdora.poetx`, full training of the model's linear layers through orthogonal rotations, no
+adapter): ``PoetXPlugin``::
+
+    plugins:
+      - fastdora.plugins.axolotl.PoetXPlugin
+    # optional (defaults in brackets):
+    poetx_block_size: 256          # [256] orthogonal block size; must divide the layers' features
+    poetx_merge_interval: 200      # [200] optimizer steps between merges
+    poetx_mode: fast               # [fast] fast | mem (least memory, one more GEMM per backward)
+    poetx_lr_scale: 0.5            # [0.5] learning rate of the rotations, times learning_rate
+    poetx_exclude: [lm_head]       # [lm_head] layers left as they are
+
+``register`` rejects an unknown ``poetx_*`` key (naming the valid ones) and an ``adapter:`` (an adapter and POET-X on
+the same layer are not supported); ``pre_model_load`` checks the values; ``add_callbacks_pre_trainer`` gives the
+trainer :class:`fastdora.plugins.hf.PoetXCallback`, which converts the model inside the trainer's constructor, before
+the optimizer exists, and merges during training (``poetx_report.json`` in ``output_dir``).
+
+``axolotl`` and ``pydantic`` are imported only when a plugin or its argument class is looked up.
 """
 
 from __future__ import annotations
@@ -38,11 +55,17 @@ import difflib
 import logging
 from typing import Any
 
+from . import _poetx_common as px
 from ._common import announce, collect_options, enable_on, foreign_forward_modules
 
 __all__ = [  # noqa: F822 (FastDoraPlugin, FastDoraArgs: built on first access, module __getattr__)
     "FastDoraPlugin",
     "FastDoraArgs",
+    "PoetXPlugin",
+    "PoetXArgs",
+    "POETX_CFG_KEYS",
+    "poetx_options_from_cfg",
+    "check_poetx_cfg",
     "AXOLOTL_LORA_KERNEL_KEYS",
     "CFG_KEYS",
     "options_from_cfg",
@@ -167,6 +190,51 @@ def switch_off_lora_kernels(cfg: Any, stage: str, log=None) -> dict:
     return changed
 
 
+#: POET-X YAML key -> PoetXCallback option
+POETX_CFG_KEYS = {f"poetx_{name}": name for name in px.OPTION_NAMES}
+
+
+def poetx_options_from_cfg(cfg: Any) -> dict:
+    return px.collect_options(**{opt: _cfg_get(cfg, key) for key, opt in POETX_CFG_KEYS.items()})
+
+
+def _looks_like_poetx(key: str) -> bool:
+    k = key.lower().replace("-", "_")
+    return k.startswith(("poetx", "poet_x", "use_poetx", "use_poet_x"))
+
+
+def check_poetx_cfg(cfg: Any) -> None:
+    """Raise ``ValueError`` for a ``poetx*`` key that is not one of :data:`POETX_CFG_KEYS` (naming it and the valid
+    keys) and for a config with a PEFT adapter (``adapter: lora`` / ``qlora``): POET-X trains the model's own linear
+    layers, an adapter on the same layers is not supported."""
+    try:
+        keys = [str(k) for k in cfg.keys()]
+    except AttributeError:
+        keys = [str(k) for k in vars(cfg)]
+    bad = sorted(k for k in keys if _looks_like_poetx(k) and k not in POETX_CFG_KEYS)
+    if bad:
+        hints = []
+        for k in bad:
+            if k.lower().replace("-", "_").removeprefix("use_") in ("poetx", "poet_x"):
+                hints.append(f"{k} is not an Axolotl key: listing fastdora.plugins.axolotl.PoetXPlugin under "
+                             "plugins: is what switches POET-X on")
+                continue
+            close = difflib.get_close_matches(k.lower().replace("-", "_").replace("poet_x_", "poetx_"),
+                                              list(POETX_CFG_KEYS), n=1, cutoff=0.6)
+            if close:
+                hints.append(f"{k}: did you mean {close[0]}?")
+        raise ValueError(
+            f"fastdora: unknown config key(s) {bad} for the PoetXPlugin; valid keys: {list(POETX_CFG_KEYS)}"
+            + (" (" + "; ".join(hints) + ")" if hints else "")
+        )
+    adapter = _cfg_get(cfg, "adapter")
+    if adapter:
+        raise ValueError(
+            f"fastdora: PoetXPlugin with adapter: {adapter}: POET-X trains the model's own linear layers and an "
+            "adapter on the same layers is not supported; remove adapter: (and lora_* / peft_use_dora)"
+        )
+
+
 def _build_args():
     from typing import Literal, Optional
 
@@ -260,11 +328,67 @@ def _build_plugin():
     return FastDoraPlugin
 
 
+def _build_poetx_args():
+    from typing import Literal, Optional, Union
+
+    from pydantic import BaseModel, Field
+
+    class PoetXArgs(BaseModel):
+        """Axolotl config keys of the POET-X plugin (validated by Axolotl's pydantic config)."""
+
+        poetx_block_size: Optional[int] = Field(
+            default=None, json_schema_extra={"description": "POET-X orthogonal block size (default 256)"})
+        poetx_merge_interval: Optional[int] = Field(
+            default=None, json_schema_extra={"description": "optimizer steps between POET-X merges (default 200)"})
+        poetx_mode: Optional[Literal["fast", "mem"]] = Field(
+            default=None, json_schema_extra={"description": "fast | mem (least memory; default fast)"})
+        poetx_lr_scale: Optional[float] = Field(
+            default=None,
+            json_schema_extra={"description": "learning rate of the rotations, times learning_rate (default 0.5)"})
+        poetx_exclude: Optional[Union[list[str], str]] = Field(
+            default=None, json_schema_extra={"description": "layer names left unconverted (default [lm_head])"})
+
+    PoetXArgs.__module__ = __name__
+    PoetXArgs.__qualname__ = "PoetXArgs"
+    return PoetXArgs
+
+
+def _build_poetx_plugin():
+    from axolotl.integrations.base import BasePlugin
+
+    log = _get_logger()
+
+    class PoetXPlugin(BasePlugin):
+        """Axolotl plugin: POET-X training of the model's linear layers (see the module docstring)."""
+
+        def get_input_args(self) -> str:
+            return "fastdora.plugins.axolotl.PoetXArgs"
+
+        def register(self, cfg):  # raw config, before validation: a misspelled poetx_* key fails here
+            check_poetx_cfg(cfg)
+
+        def pre_model_load(self, cfg):  # validated config, in the training process
+            check_poetx_cfg(cfg)
+            poetx_options_from_cfg(cfg)  # fail before the model loads on a bad value
+
+        def add_callbacks_pre_trainer(self, cfg, model):
+            from .hf import make_poetx_callback
+
+            cb = make_poetx_callback(**poetx_options_from_cfg(cfg), framework="axolotl")
+            cb.announce_logger = log  # Axolotl's handlers drop INFO records of loggers outside axolotl.*
+            return [cb]
+
+    PoetXPlugin.__module__ = __name__
+    PoetXPlugin.__qualname__ = "PoetXPlugin"
+    return PoetXPlugin
+
+
 _BUILT: dict = {}
 
 
 def __getattr__(name: str):
-    builders = {"FastDoraPlugin": _build_plugin, "FastDoraArgs": _build_args}
+    builders = {"FastDoraPlugin": _build_plugin, "FastDoraArgs": _build_args, "PoetXPlugin": _build_poetx_plugin,
+                "PoetXArgs": _build_poetx_args}
     if name in builders:
         if name not in _BUILT:
             _BUILT[name] = builders[name]()

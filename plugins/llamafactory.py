@@ -31,10 +31,25 @@ When LLaMA-Factory itself imports
   writes ``fastdora_report.json`` into ``output_dir`` at train end (``fastdora_report.rank<N>.json`` on rank N
   under torchrun; only when ``use_fast_dora`` was set).
 
-Without ``use_fast_dora: true`` nothing of fastdora runs. Without the ``.pth`` the key is unknown to LLaMA-Factory.
-``python -m fastdora.plugins.llamafactory status`` says whether the ``.pth`` is there and runs this fastdora;
-``uninstall`` removes it (run it before ``pip uninstall fastdora``; a ``.pth`` left behind anyway does nothing and
-says nothing, and can be deleted by hand: ``status`` prints its path).
+POET-X (:mod:`fastdora.poetx`: full training of the model's linear layers through orthogonal rotations; needs
+``finetuning_type: full``)::
+
+    use_poetx: true
+    # optional (defaults in brackets):
+    poetx_block_size: 256          # [256] orthogonal block size; must divide the layers' features
+    poetx_merge_interval: 200      # [200] optimizer steps between merges
+    poetx_mode: fast               # [fast] fast | mem
+    poetx_lr_scale: 0.5            # [0.5] learning rate of the rotations, times learning_rate
+    poetx_exclude: lm_head         # [lm_head] comma-separated layer names left as they are
+
+The parser rejects ``use_poetx`` with another ``finetuning_type``, with ``use_fast_dora`` and bad values; the wrapped
+``init_adapter`` records the options, and the train-time callback hands them to
+:class:`fastdora.plugins.hf.PoetXCallback` (conversion inside the trainer's constructor, merges, ``poetx_report.json``).
+
+Without ``use_fast_dora: true`` / ``use_poetx: true`` nothing of fastdora runs. Without the ``.pth`` the keys are
+unknown to LLaMA-Factory. ``python -m fastdora.plugins.llamafactory status`` says whether the ``.pth`` is there and
+runs this fastdora; ``uninstall`` removes it (run it before ``pip uninstall fastdora``; a ``.pth`` left behind anyway
+does nothing and says nothing, and can be deleted by hand: ``status`` prints its path).
 """
 
 from __future__ import annotations
@@ -45,10 +60,11 @@ import sys
 import sysconfig
 from typing import Any, Optional
 
+from . import _poetx_common as px
 from ._common import announce, collect_options, enable_on, has_dora, unwrap_model
 
 __all__ = ["install", "uninstall", "status", "pth_text", "patch_parser", "patch_loader", "patch_tuner",
-           "init_adapter_action", "make_finetuning_arguments", "PTH_NAME", "CFG_KEYS", "FIELD_NAMES"]
+           "init_adapter_action", "make_finetuning_arguments", "PTH_NAME", "CFG_KEYS", "POETX_CFG_KEYS", "FIELD_NAMES"]
 
 PTH_NAME = "fastdora_llamafactory.pth"
 BOOT_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llamafactory_boot.py")
@@ -59,8 +75,10 @@ CFG_KEYS = {
     "fast_dora_legacy_embedding_compose": "legacy_embedding_compose",
     "fast_dora_dm_from_output": "dm_from_output",
 }
-#: every field the FinetuningArguments subclass adds (the switch + one per option)
-FIELD_NAMES = ("use_fast_dora",) + tuple(CFG_KEYS)
+#: POET-X YAML key -> PoetXCallback option
+POETX_CFG_KEYS = {f"poetx_{name}": name for name in px.OPTION_NAMES}
+#: every field the FinetuningArguments subclass adds (a switch + one per option, for fastdora's DoRA and for POET-X)
+FIELD_NAMES = ("use_fast_dora",) + tuple(CFG_KEYS) + ("use_poetx",) + tuple(POETX_CFG_KEYS)
 
 _ARG_LISTS = ("_TRAIN_ARGS", "_INFER_ARGS", "_EVAL_ARGS", "_TRAIN_MCA_ARGS")
 
@@ -68,6 +86,7 @@ _ARG_LISTS = ("_TRAIN_ARGS", "_INFER_ARGS", "_EVAL_ARGS", "_TRAIN_MCA_ARGS")
 class _State:
     options: Optional[dict] = None  # set when init_adapter ran with use_fast_dora: true (this process)
     report: Any = None
+    poetx_options: Optional[dict] = None  # set when init_adapter ran for training with use_poetx: true
 
 
 STATE = _State()
@@ -97,6 +116,16 @@ def _fields_mixin_check(self) -> None:
         raise ValueError(f"fast_dora_kernels must be one of auto, triton, eager; got {self.fast_dora_kernels!r}")
     if self.use_fast_dora:
         options_from_args(self)  # the core's own validation, early
+    if self.use_poetx is not None and not isinstance(self.use_poetx, bool):
+        raise ValueError(f"use_poetx must be true or false, got {self.use_poetx!r}")
+    if self.use_poetx:
+        if getattr(self, "finetuning_type", "full") != "full":
+            raise ValueError(f"use_poetx needs finetuning_type: full (POET-X trains the model's own linear layers; "
+                             f"an adapter on the same layers is not supported), got {self.finetuning_type!r}")
+        if self.use_fast_dora:
+            raise ValueError("use_poetx and use_fast_dora are exclusive (POET-X trains the full model, fastdora's "
+                             "DoRA an adapter)")
+        poetx_options_from_args(self)  # bad values fail here, before a model loads
 
 
 _SUBCLASSES: dict = {}  # LLaMA-Factory's FinetuningArguments -> the subclass (one per base and process)
@@ -136,6 +165,26 @@ def make_finetuning_arguments(base: type) -> type:
             },
         )
 
+        use_poetx: bool = dataclasses.field(
+            default=False,
+            metadata={"help": "Train the model's linear layers with POET-X (finetuning_type: full)."},
+        )
+        poetx_block_size: Optional[int] = dataclasses.field(
+            default=None, metadata={"help": "POET-X orthogonal block size (default 256)."}
+        )
+        poetx_merge_interval: Optional[int] = dataclasses.field(
+            default=None, metadata={"help": "Optimizer steps between POET-X merges (default 200)."}
+        )
+        poetx_mode: Optional[str] = dataclasses.field(
+            default=None, metadata={"help": "POET-X memory mode: fast or mem (default fast)."}
+        )
+        poetx_lr_scale: Optional[float] = dataclasses.field(
+            default=None, metadata={"help": "Learning rate of the rotations, times learning_rate (default 0.5)."}
+        )
+        poetx_exclude: Optional[str] = dataclasses.field(
+            default=None, metadata={"help": "Comma-separated layer names POET-X leaves as they are (default lm_head)."}
+        )
+
         def __post_init__(self):
             super().__post_init__()
             _fields_mixin_check(self)
@@ -153,6 +202,10 @@ def make_finetuning_arguments(base: type) -> type:
 
 def options_from_args(finetuning_args: Any) -> dict:
     return collect_options(**{opt: getattr(finetuning_args, key, None) for key, opt in CFG_KEYS.items()})
+
+
+def poetx_options_from_args(finetuning_args: Any) -> dict:
+    return px.collect_options(**{opt: getattr(finetuning_args, key, None) for key, opt in POETX_CFG_KEYS.items()})
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -199,6 +252,9 @@ def _wrap_init_adapter(orig):
     def init_adapter(*args, **kwargs):
         model = orig(*args, **kwargs)
         finetuning_args, is_trainable = _init_adapter_call_args(args, kwargs)
+        if getattr(finetuning_args, "use_poetx", False) and is_trainable is not False:
+            # converted by the train-time callback, inside the trainer's constructor (before its optimizer)
+            STATE.poetx_options = poetx_options_from_args(finetuning_args)
         action = init_adapter_action(finetuning_args, is_trainable, model)
         if action == "off":
             return model
@@ -229,33 +285,44 @@ def patch_loader(loader_module) -> None:
 def _make_tuner_callback():
     from transformers import TrainerCallback
 
-    from .hf import make_callback
+    from .hf import make_callback, make_poetx_callback
 
     class FastDoraLlamaFactoryCallback(TrainerCallback):
-        """Inert unless ``init_adapter`` ran with ``use_fast_dora: true`` in this process."""
+        """Inert unless ``init_adapter`` ran with ``use_fast_dora: true`` or ``use_poetx: true`` in this process:
+        forwards the trainer's events to :class:`~fastdora.plugins.hf.FastDoraCallback` /
+        :class:`~fastdora.plugins.hf.PoetXCallback`."""
 
         def __init__(self):
             self.inner = None
+            self.poetx = None
 
-        def _get(self):
+        def _get(self) -> list:
             if self.inner is None and STATE.options is not None:
                 self.inner = make_callback(**STATE.options, framework="llamafactory")
                 self.inner.report = STATE.report
                 self.inner._logged = True  # init_adapter logged it already
                 self.inner.announce_logger = _logger()
-            return self.inner
+            if self.poetx is None and STATE.poetx_options is not None:
+                self.poetx = make_poetx_callback(**STATE.poetx_options, framework="llamafactory")
+                self.poetx.announce_logger = _logger()
+            return [cb for cb in (self.inner, self.poetx) if cb is not None]
+
+        def _forward(self, event, args, state, control, **kwargs):
+            for cb in self._get():
+                control = getattr(cb, event)(args, state, control, **kwargs) or control
+            return control
 
         def on_init_end(self, args, state, control, **kwargs):
-            inner = self._get()
-            return inner.on_init_end(args, state, control, **kwargs) if inner else control
+            return self._forward("on_init_end", args, state, control, **kwargs)
 
         def on_train_begin(self, args, state, control, **kwargs):
-            inner = self._get()
-            return inner.on_train_begin(args, state, control, **kwargs) if inner else control
+            return self._forward("on_train_begin", args, state, control, **kwargs)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            return self._forward("on_step_end", args, state, control, **kwargs)
 
         def on_train_end(self, args, state, control, **kwargs):
-            inner = self._get()
-            return inner.on_train_end(args, state, control, **kwargs) if inner else control
+            return self._forward("on_train_end", args, state, control, **kwargs)
 
     return FastDoraLlamaFactoryCallback()
 

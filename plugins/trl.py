@@ -16,13 +16,16 @@ Also works with a ``PeftModel`` passed in directly, and with the other TRL train
 (``DPOTrainer``, ``KTOTrainer``, ``ORPOTrainer``, ``RewardTrainer``, ``GRPOTrainer``...): TRL builds the PeftModel in
 its ``__init__`` before ``Trainer.__init__`` runs, so the callback's ``on_init_end`` already sees it; gradient
 checkpointing, switched on inside ``train()``, needs nothing more. ``trl`` itself is not imported here.
+
+POET-X: ``SFTTrainer(model=model, args=..., callbacks=[PoetXCallback(...)])`` with no ``peft_config`` (POET-X
+trains the model's own linear layers; see :mod:`fastdora.plugins.hf`).
 """
 
-__all__ = ["FastDoraCallback", "make_callback"]  # noqa: F822 (both: module __getattr__)
+__all__ = ["FastDoraCallback", "PoetXCallback", "make_callback"]  # noqa: F822 (module __getattr__)
 
 
 def __getattr__(name):
-    if name in ("FastDoraCallback", "make_callback"):
+    if name in ("FastDoraCallback", "PoetXCallback", "make_callback"):
         from . import hf
 
         return getattr(hf, name)

@@ -73,7 +73,8 @@ def test_axolotl_schema_declares_exactly_the_keys():
 
 def test_llamafactory_keys_follow_the_fast_dora_prefix():
     assert lf_plugin.CFG_KEYS == {f"fast_dora_{name}": name for name in PUBLIC}
-    assert lf_plugin.FIELD_NAMES == ("use_fast_dora",) + tuple(lf_plugin.CFG_KEYS)
+    assert lf_plugin.FIELD_NAMES == ("use_fast_dora",) + tuple(lf_plugin.CFG_KEYS) + ("use_poetx",) + tuple(
+        lf_plugin.POETX_CFG_KEYS)
 
 
 def _code_files():
