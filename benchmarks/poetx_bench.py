@@ -7,8 +7,13 @@ and weight, float32 ``Q``. Each row: the median time of ``y = layer(x); y.backwa
 on CUDA, ``time.perf_counter`` on CPU), the ratio to ``nn.Linear``, and the peak memory of one step above what the
 inputs hold. Prints a table and writes JSON (``--out``).
 
+``--sections ops`` times the single operations instead, kernels against the PyTorch path at 4096 features and 2048 /
+8192 tokens: ``rotate`` (forward and transposed), ``block_outer``, the Cayley–Neumann forward and backward, and
+``rotate`` / ``block_outer`` under the tile configurations of ``ROTATE_SWEEP`` / ``OUTER_SWEEP``.
+
 Usage:
-  python benchmarks/poetx_bench.py --out poetx_bench.json                  # CUDA, the full grid (~2 min on an H200)
+  python benchmarks/poetx_bench.py --out poetx_bench.json                  # CUDA, the layer grid (~2 min on an H200)
+  python benchmarks/poetx_bench.py --sections ops --out poetx_ops.json     # the single operations
   python benchmarks/poetx_bench.py --device cpu --tiny --out /tmp/x.json   # tiny shapes on CPU: checks the script
 """
 
@@ -25,7 +30,8 @@ from torch import nn
 
 from fastdora.poetx import PoetXLinear
 from fastdora.poetx import kernels as poetx_kernels
-from fastdora.poetx.cayley import skew_size
+from fastdora.poetx import ops as poetx_ops
+from fastdora.poetx.cayley import cayley_neumann, skew_size
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]
 BATCHES = [1, 4]
@@ -162,6 +168,62 @@ def run(device: str, tiny: bool, variants: list) -> list:
     return rows
 
 
+ROTATE_SWEEP = [dict(block_m=64, block_c=128, block_k=32, warps=4), dict(block_m=64, block_c=256, block_k=32, warps=8),
+                dict(block_m=128, block_c=128, block_k=32, warps=8), dict(block_m=32, block_c=256, block_k=64, warps=8)]
+OUTER_SWEEP = [dict(block_n=64, block_c=64, warps=4), dict(block_n=64, block_c=128, warps=8),
+               dict(block_n=32, block_c=128, warps=8), dict(block_n=128, block_c=128, warps=8)]
+
+
+def run_ops(device: str, tiny: bool) -> list:
+    """Each operation alone: kernels vs the PyTorch path (and tile sweeps), median ms."""
+    timer = _timer(device, reps=3 if tiny else 10)
+    d = 64 if tiny else 4096
+    rows = []
+
+    def record(op, n, b, variant, fn):
+        ms = timer(fn)
+        rows.append(dict(op=op, tokens=n, d=d, block=b, variant=variant, ms=ms))
+        print(f"{op:<16} tokens {n:<5} d {d} b={b:<4} {variant:<40} {ms:9.3f} ms", flush=True)
+
+    for b in (TINY["blocks"] if tiny else BLOCKS):
+        packed = torch.randn(d // b, skew_size(b), device=device) * (0.3 / b ** 0.5)
+        g = cayley_neumann(packed, b).detach()
+        grad_g = torch.randn_like(g)
+        perm = torch.randperm(d, device=device)
+        for n in ((16,) if tiny else (2048, 8192)):
+            t = torch.randn(n, d, device=device, dtype=torch.bfloat16)
+            c = torch.randn(n, d, device=device, dtype=torch.bfloat16)
+            p = packed.clone().requires_grad_()
+            cases = [
+                ("rotate", lambda: poetx_ops.rotate(t, perm, g)),
+                ("rotate-T", lambda: poetx_ops.rotate(t, perm, g, transpose=True)),
+                ("block_outer", lambda: poetx_ops.block_outer(t, c, perm, g)),
+                ("cayley fwd+bwd", lambda: cayley_neumann(p, b).backward(grad_g)),
+            ]
+            for op, fn in cases:
+                if op == "cayley fwd+bwd" and n != (16 if tiny else 2048):
+                    continue  # no tokens involved
+                for enabled in (True, False):
+                    poetx_kernels.ENABLED = enabled
+                    try:
+                        record(op, n, b, "kernels" if enabled else "pytorch", fn)
+                    finally:
+                        poetx_kernels.ENABLED = True
+            for cfg in ROTATE_SWEEP:
+                poetx_kernels.ROTATE_CONFIG = cfg
+                try:
+                    record("rotate", n, b, f"kernels {cfg}", cases[0][1])
+                finally:
+                    poetx_kernels.ROTATE_CONFIG = {}
+            for cfg in OUTER_SWEEP:
+                poetx_kernels.OUTER_CONFIG = cfg
+                try:
+                    record("block_outer", n, b, f"kernels {cfg}", cases[2][1])
+                finally:
+                    poetx_kernels.OUTER_CONFIG = {}
+    return rows
+
+
 def _fmt(r: dict) -> str:
     ratio = "" if r["vs_linear"] is None else f"{r['vs_linear']:.2f}x"
     peak = "" if r["peak_mb"] is None else f"{r['peak_mb']:.0f}"
@@ -173,6 +235,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (checks the script, measures nothing useful)")
+    ap.add_argument("--sections", default="layer", help="comma separated: layer (the layer grid), ops")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma separated subset of {VARIANTS}")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     a = ap.parse_args()
@@ -186,7 +249,11 @@ def main() -> None:
     if a.device == "cuda" and not torch.cuda.is_available():
         ap.error("no CUDA device (use --device cpu --tiny to check the script)")
     torch.manual_seed(0)
-    rows = run(a.device, a.tiny, variants)
+    sections = [x for x in a.sections.split(",") if x]
+    if set(sections) - {"layer", "ops"}:
+        ap.error(f"unknown sections {sorted(set(sections) - {'layer', 'ops'})}")
+    rows = run(a.device, a.tiny, variants) if "layer" in sections else []
+    op_rows = run_ops(a.device, a.tiny) if "ops" in sections else []
     device = torch.cuda.get_device_name() if a.device == "cuda" else platform.processor()
     meta = dict(torch=torch.__version__, device=device, triton_kernels=poetx_kernels.AVAILABLE and a.device == "cuda",
                 tiny=a.tiny)
@@ -198,7 +265,7 @@ def main() -> None:
         meta["triton"] = None
     if a.out:
         with open(a.out, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+            json.dump(dict(meta=meta, rows=rows, ops=op_rows), f, indent=1)
         print(f"wrote {a.out}")
 
 

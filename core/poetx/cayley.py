@@ -129,7 +129,8 @@ class _CayleyNeumann(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_g: torch.Tensor):
         (packed,) = ctx.saved_tensors
-        if _kernels.applies(packed, grad_g):
+        # the kernels record no graph: a double backward (create_graph=True) takes the PyTorch path
+        if _kernels.applies(packed, grad_g) and not torch.is_grad_enabled():
             return _kernels.cayley_backward(packed, grad_g, ctx.block_size, ctx.terms), None, None
         q = skew_from_packed(packed, ctx.block_size)
         grad_q = neumann_series_backward(q, grad_g.to(q.dtype), ctx.terms)

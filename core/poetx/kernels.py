@@ -78,6 +78,10 @@ DEVICE_TYPES: tuple = ("cuda",)
 #: far below the half-precision output's rounding; 3: float32's 24 bits, 1.5x the tensor-core work)
 SPLIT_PARTS = 2
 
+#: input precision of the Cayley–Neumann kernels' fp32 products on the GPU: "tf32x3" (three TF32 tensor-core
+#: products, about fp32's accuracy) or "ieee" (fp32 FMAs)
+CAYLEY_PRECISION = "tf32x3"
+
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -226,10 +230,13 @@ if AVAILABLE:
                         other=0.0)
             b = tl.load(b_ptr + rows[:, None] * stride_b + f_j[None, :], mask=rmask[:, None] & jmask[None, :],
                         other=0.0)
+            # each chunk's product from a zero accumulator, added to the running fp32 sum (the tensor cores' chained
+            # accumulation over thousands of tokens loses precision)
+            part = tl.zeros([BLOCK_C, BLOCK_J], dtype=tl.float32)
             if HALF:
-                acc = _dot(tl.trans(a), b, acc, UPCAST)
+                acc += _dot(tl.trans(a), b, part, UPCAST)
             else:
-                acc = tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc, input_precision="ieee")
+                acc += tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), part, input_precision="ieee")
         out = out_ptr + split.to(tl.int64) * stride_split + base * B
         tl.store(out + cs[:, None] * B + js[None, :], _cast_to(acc, out_ptr, SOFT_BF16),
                  mask=cmask[:, None] & jmask[None, :])
@@ -248,7 +255,7 @@ if AVAILABLE:
     def _cn_step_kernel(
         a_ptr, b_ptr, q_ptr, v_ptr, out_ptr,
         B, NPK, n_tiles, nv, stride_v, sign, beta, gamma,
-        A_PACKED: tl.constexpr, B_PACKED: tl.constexpr, ADD_Q: tl.constexpr,
+        A_PACKED: tl.constexpr, B_PACKED: tl.constexpr, ADD_Q: tl.constexpr, PREC: tl.constexpr,
         SOFT_BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         # out[k] = sign·(A[k] @ B[k]) + beta·Q[k] + gamma·I + Σ_{v<nv} c_v·V[v, k],  c_v = 2 (v < nv-1), 1 (v = nv-1)
@@ -278,7 +285,7 @@ if AVAILABLE:
             else:
                 bt = tl.load(b_ptr + dense + ks[:, None] * B + cj[None, :], mask=kmask[:, None] & jmask[None, :],
                              other=0.0)
-            acc = tl.dot(a, bt, acc, input_precision="ieee")
+            acc = tl.dot(a, bt, acc, input_precision=PREC)
         acc = acc * sign
         if ADD_Q:
             acc += beta * _skew_tile(q_blk, ri[:, None], cj[None, :], B)
@@ -329,11 +336,18 @@ def _parts(t_dtype: torch.dtype, g_dtype: torch.dtype) -> int:
     return 0  # float32 activations, or half blocks of the other half dtype: float32 products
 
 
+#: tile configurations (benchmark sweeps): ``{"block_m", "block_c", "block_k", "warps"}`` of ``rotate`` and
+#: ``{"block_n", "block_c", "warps"}`` of ``block_outer``, each capped by the block size; empty: the defaults
+ROTATE_CONFIG: dict = {}
+OUTER_CONFIG: dict = {}
+
+
 def _rotate_config(n_rows: int, b: int) -> tuple:
-    block_c = _p2(b, hi=128)
-    block_m = 64 if n_rows >= 64 else _p2(n_rows, hi=64)
-    block_k = _p2(b, hi=32)
-    return block_m, block_c, block_k, 4
+    cfg = ROTATE_CONFIG
+    block_c = _p2(b, hi=cfg.get("block_c", 128))
+    block_m = _p2(min(n_rows, cfg.get("block_m", 64)), hi=cfg.get("block_m", 64))
+    block_k = _p2(b, hi=cfg.get("block_k", 32))
+    return block_m, block_c, block_k, cfg.get("warps", 4)
 
 
 def rotate(
@@ -389,8 +403,9 @@ def block_outer(a: torch.Tensor, b: torch.Tensor, perm: torch.Tensor, blocks: to
     if n_rows == 0:
         return blocks.new_zeros(blocks.shape)
     perm = perm.contiguous()
-    block_c = block_j = _p2(size, hi=64)
-    block_n = 64 if n_rows >= 64 else _p2(n_rows, hi=64)
+    cfg = OUTER_CONFIG
+    block_c = block_j = _p2(size, hi=cfg.get("block_c", 64))
+    block_n = _p2(min(n_rows, cfg.get("block_n", 64)), hi=cfg.get("block_n", 64))
     n_ctiles = _cdiv(size, block_c)
     tiles = n_blocks * n_ctiles * n_ctiles
     # split the tokens over programs while the tiles alone leave the GPU's multiprocessors idle
@@ -406,9 +421,9 @@ def block_outer(a: torch.Tensor, b: torch.Tensor, perm: torch.Tensor, blocks: to
     with _device_ctx(a):
         _outer_kernel[(tiles, n_split)](
             a2, b2, perm, out,
-            n_rows, size, a2.stride(0), b2.stride(0), n_ctiles, n_ctiles, rows_per_prog, blocks[0].numel(),
+            n_rows, size, a2.stride(0), b2.stride(0), n_ctiles, n_ctiles, rows_per_prog, blocks.numel(),
             HALF=half, UPCAST=not a.is_cuda, SOFT_BF16=not a.is_cuda,
-            BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_J=block_j, num_warps=4,
+            BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_J=block_j, num_warps=cfg.get("warps", 4),
         )
     if n_split == 1:
         return out
@@ -426,7 +441,8 @@ def _cn_step(a, b, q, v, out, size, *, a_packed=False, b_packed=False, sign=1.0,
         dummy if a is None else a, dummy if b is None else b, q, dummy if v is None else v, out,
         size, q.shape[1], n_tiles, nv, 0 if v is None or nv == 0 else v[0].numel(), float(sign), float(beta),
         float(gamma),
-        A_PACKED=a_packed, B_PACKED=b_packed, ADD_Q=beta != 0.0, SOFT_BF16=not q.is_cuda,
+        A_PACKED=a_packed, B_PACKED=b_packed, ADD_Q=beta != 0.0, PREC=CAYLEY_PRECISION if q.is_cuda else "ieee",
+        SOFT_BF16=not q.is_cuda,
         BLOCK_T=block_t, BLOCK_K=block_k, num_warps=4,
     )
     return out

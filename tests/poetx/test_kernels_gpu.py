@@ -105,7 +105,7 @@ def test_cayley(b, terms):
     grad_g = torch.randn(n_blocks, b, b, generator=gen, device=DEV)
 
     def run(p_dtype):
-        p = packed.to(p_dtype).requires_grad_()
+        p = packed.to(p_dtype).clone().requires_grad_()
         g = cayley_neumann(p, b, terms)
         g.backward(grad_g.to(p_dtype))
         return g, p.grad
@@ -138,10 +138,8 @@ def test_layer(d_in, d_out, b, n, mode):
     grad_y = randn(n, d_out)
 
     def run(dtype, q_dtype):
-        xs = x.to(dtype).requires_grad_()
-        bs = bias.to(dtype).requires_grad_()
-        qi = q_in.to(q_dtype).requires_grad_()
-        qo = q_out.to(q_dtype).requires_grad_()
+        xs, bs, qi, qo = (t.to(dt).clone().requires_grad_() for t, dt in
+                          ((x, dtype), (bias, dtype), (q_in, q_dtype), (q_out, q_dtype)))
         y = poetx_linear(xs, weight.to(dtype), bs, cayley_neumann(qi, b), cayley_neumann(qo, b), perm_in, perm_out,
                          mode)
         y.backward(grad_y.to(dtype))
