@@ -169,7 +169,10 @@ def run(device: str, tiny: bool, variants: list) -> list:
 
 
 ROTATE_SWEEP = [dict(block_m=64, block_c=128, block_k=32, warps=4), dict(block_m=64, block_c=256, block_k=32, warps=8),
-                dict(block_m=128, block_c=128, block_k=32, warps=8), dict(block_m=32, block_c=256, block_k=64, warps=8)]
+                dict(block_m=128, block_c=128, block_k=32, warps=8), dict(block_m=32, block_c=256, block_k=64, warps=8),
+                dict(block_m=16, block_c=256, block_k=64, warps=4, blocks_per_prog="all"),
+                dict(block_m=32, block_c=128, block_k=64, warps=4, blocks_per_prog="all"),
+                dict(block_m=64, block_c=128, block_k=32, warps=4, blocks_per_prog=4)]
 OUTER_SWEEP = [dict(block_n=64, block_c=64, warps=4), dict(block_n=64, block_c=128, warps=8),
                dict(block_n=32, block_c=128, warps=8), dict(block_n=128, block_c=128, warps=8)]
 

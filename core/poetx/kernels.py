@@ -165,39 +165,43 @@ if AVAILABLE:
     @triton.jit
     def _rotate_kernel(
         t_ptr, perm_ptr, g_ptr, bias_ptr, out_ptr,
-        N, B, stride_t, stride_out, n_ctiles,
+        N, B, stride_t, stride_out, n_ctiles, blocks_per_prog,
         TRANSPOSE: tl.constexpr, HAS_BIAS: tl.constexpr, PARTS: tl.constexpr, UPCAST: tl.constexpr,
         SOFT_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         # out[r, perm[k·B + c]] = Σ_j t[r, perm[k·B + j]] · G[k, c, j]   (TRANSPOSE: · G[k, j, c]) + bias[perm[k·B + c]]
-        pid = tl.program_id(0)  # (block, column tile), fastest: the programs of one row tile run together
+        # program (group of blocks_per_prog blocks, column tile; row tile): the group index varies fastest, so the
+        # programs gathering from one row tile run together (L2); a group of several blocks gathers its rows'
+        # features from the program's own L1
+        pid = tl.program_id(0)
         pid_m = tl.program_id(1)
-        blk = pid // n_ctiles
+        group = pid // n_ctiles
         ct = pid % n_ctiles
         rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
         rmask = rows < N
         cols = ct * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = cols < B
-        base = blk.to(tl.int64) * B
-        f_out = tl.load(perm_ptr + base + cols, mask=cmask, other=0)
-        g_blk = g_ptr + base * B
-        acc = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
-        for j0 in range(0, B, BLOCK_K):
-            js = j0 + tl.arange(0, BLOCK_K)
-            jmask = js < B
-            f_in = tl.load(perm_ptr + base + js, mask=jmask, other=0)
-            a = tl.load(t_ptr + rows[:, None] * stride_t + f_in[None, :], mask=rmask[:, None] & jmask[None, :],
-                        other=0.0)
-            gmask = jmask[:, None] & cmask[None, :]
-            if TRANSPOSE:
-                g = tl.load(g_blk + js[:, None] * B + cols[None, :], mask=gmask, other=0.0)
-            else:
-                g = tl.load(g_blk + cols[None, :] * B + js[:, None], mask=gmask, other=0.0)
-            acc = _mma(a, g, acc, PARTS, UPCAST)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + f_out, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rows[:, None] * stride_out + f_out[None, :], _cast_to(acc, out_ptr, SOFT_BF16),
-                 mask=rmask[:, None] & cmask[None, :])
+        for i in range(0, blocks_per_prog):
+            base = (group * blocks_per_prog + i).to(tl.int64) * B
+            f_out = tl.load(perm_ptr + base + cols, mask=cmask, other=0)
+            g_blk = g_ptr + base * B
+            acc = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+            for j0 in range(0, B, BLOCK_K):
+                js = j0 + tl.arange(0, BLOCK_K)
+                jmask = js < B
+                f_in = tl.load(perm_ptr + base + js, mask=jmask, other=0)
+                a = tl.load(t_ptr + rows[:, None] * stride_t + f_in[None, :], mask=rmask[:, None] & jmask[None, :],
+                            other=0.0)
+                gmask = jmask[:, None] & cmask[None, :]
+                if TRANSPOSE:
+                    g = tl.load(g_blk + js[:, None] * B + cols[None, :], mask=gmask, other=0.0)
+                else:
+                    g = tl.load(g_blk + cols[None, :] * B + js[:, None], mask=gmask, other=0.0)
+                acc = _mma(a, g, acc, PARTS, UPCAST)
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + f_out, mask=cmask, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + rows[:, None] * stride_out + f_out[None, :], _cast_to(acc, out_ptr, SOFT_BF16),
+                     mask=rmask[:, None] & cmask[None, :])
 
     @triton.jit
     def _outer_kernel(
@@ -336,7 +340,8 @@ def _parts(t_dtype: torch.dtype, g_dtype: torch.dtype) -> int:
     return 0  # float32 activations, or half blocks of the other half dtype: float32 products
 
 
-#: tile configurations (benchmark sweeps): ``{"block_m", "block_c", "block_k", "warps"}`` of ``rotate`` and
+#: tile configurations (benchmark sweeps): ``{"block_m", "block_c", "block_k", "warps", "blocks_per_prog"}`` of
+#: ``rotate`` (``blocks_per_prog``: blocks one program handles in turn, "all" for every block) and
 #: ``{"block_n", "block_c", "warps"}`` of ``block_outer``, each capped by the block size; empty: the defaults
 ROTATE_CONFIG: dict = {}
 OUTER_CONFIG: dict = {}
@@ -347,7 +352,7 @@ def _rotate_config(n_rows: int, b: int) -> tuple:
     block_c = _p2(b, hi=cfg.get("block_c", 128))
     block_m = _p2(min(n_rows, cfg.get("block_m", 64)), hi=cfg.get("block_m", 64))
     block_k = _p2(b, hi=cfg.get("block_k", 32))
-    return block_m, block_c, block_k, cfg.get("warps", 4)
+    return block_m, block_c, block_k, cfg.get("warps", 4), cfg.get("blocks_per_prog", 1)
 
 
 def rotate(
@@ -369,13 +374,14 @@ def rotate(
     g = blocks.contiguous()
     perm = perm.contiguous()
     bias_t = bias.contiguous() if bias is not None else g
-    block_m, block_c, block_k, warps = _rotate_config(n_rows, b)
+    block_m, block_c, block_k, warps, per_prog = _rotate_config(n_rows, b)
+    per_prog = n_blocks if per_prog == "all" or n_blocks % per_prog else per_prog
     n_ctiles = _cdiv(b, block_c)
-    grid = (n_blocks * n_ctiles, _cdiv(n_rows, block_m))
+    grid = (n_blocks // per_prog * n_ctiles, _cdiv(n_rows, block_m))
     with _device_ctx(t):
         _rotate_kernel[grid](
             t2, perm, g, bias_t, out,
-            n_rows, b, t2.stride(0), out.stride(0), n_ctiles,
+            n_rows, b, t2.stride(0), out.stride(0), n_ctiles, per_prog,
             TRANSPOSE=bool(transpose), HAS_BIAS=bias is not None, PARTS=_parts(t.dtype, g.dtype),
             UPCAST=not t.is_cuda, SOFT_BF16=not t.is_cuda,
             BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_K=block_k, num_warps=warps,

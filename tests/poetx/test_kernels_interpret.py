@@ -204,6 +204,25 @@ else:
         # fp32 result: the split products' 16-bit blocks differ from fp32 blocks by ~2^-16 relative
         assert _rel(yk, ye) <= 3e-5
 
+    @pytest.mark.parametrize("config", [dict(blocks_per_prog="all"), dict(blocks_per_prog=2, block_c=16, block_k=16),
+                                        dict(block_m=16, block_c=32, block_k=16, warps=8)], ids=str)
+    def test_rotate_tile_configurations(config):
+        """Other tilings (several blocks per program, narrower tiles) compute the same values."""
+        gen = torch.Generator().manual_seed(5)
+        t = torch.randn(37, 96, generator=gen).to(BF16)
+        perm = torch.randperm(96, generator=gen)
+        g = _blocks(3, 32, F32, gen)
+        bias = torch.randn(96, generator=gen).to(BF16)
+        for transpose in (False, True):
+            ref = ops.rotate(t, perm, g, transpose=transpose, bias=bias)
+            saved, K.ROTATE_CONFIG = K.ROTATE_CONFIG, config
+            try:
+                got = ops.rotate(t, perm, g, transpose=transpose, bias=bias)
+            finally:
+                K.ROTATE_CONFIG = saved
+            # the same products; the K split may change the fp32 summation order: one bf16 rounding apart
+            torch.testing.assert_close(got.double(), ref.double(), rtol=2 ** -7, atol=1e-5)
+
     OUTER_DTYPES = [F32, BF16, F16]
 
     @pytest.mark.parametrize("act", OUTER_DTYPES, ids=lambda v: str(v).replace("torch.", ""))
