@@ -18,12 +18,14 @@ Block-diagonal products (``rotate``, ``block_outer``):
   is added before the single rounding to the output dtype.
 - ``block_outer``: program ``(block k, tile of c, tile of j, token split)``, ``Σ_rows a[row, perm[k·b+c]] ·
   b[row, perm[k·b+j]]`` as a ``[b, N] × [N, b]`` product per block with fp32 accumulation (exact products for half
-  operands); when a shape has too few tiles to fill the GPU the tokens are split over programs and the fp32 partial
-  sums added in a fixed order (deterministic).
+  operands, the tensor cores' accumulation restarted every chunk of tokens and the chunks added in fp32); when a
+  shape has too few tiles to fill the GPU the tokens are split over programs and the fp32 partial sums added in a
+  fixed order (deterministic).
 
 Cayley–Neumann blocks (``cayley_forward``, ``cayley_backward``), batched over the blocks, one launch per matrix
-product, every product ``b×b·b×b`` in fp32 (``ieee``) with ``Q`` read straight from the packed upper triangle
-(``Q[i, j] = θ``, ``Q[j, i] = −θ``: never materialised):
+product, every ``b×b·b×b`` product with fp32 operands (3xTF32 on the GPU, :data:`CAYLEY_PRECISION`; fp32 FMAs under
+the interpreter). The dense skew ``Q`` is unpacked once per call (one launch: ``Q[i, j] = θ``, ``Q[j, i] = −θ``) so
+that every product reads dense tiles:
 
 - forward, Horner's scheme of ``G = I + 2(Q + … + Qᵏ) + Qᵏ⁺¹``: ``H = Q·Q + 2Q + 2I``, then ``H ← H·Q + 2I``, and
   ``G = H·Q + I`` (``k`` products, ``k`` launches; ``k = 1``: ``G = Q·Q + 2Q + I`` in one launch).
@@ -206,7 +208,7 @@ if AVAILABLE:
     @triton.jit
     def _outer_kernel(
         a_ptr, b_ptr, perm_ptr, out_ptr,
-        N, B, stride_a, stride_b, n_ctiles, n_jtiles, rows_per_prog, stride_split,
+        N, B, stride_a, stride_b, n_ctiles, n_jtiles, rows_per_prog, stride_split, zero,
         HALF: tl.constexpr, UPCAST: tl.constexpr, SOFT_BF16: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_J: tl.constexpr,
     ):
@@ -227,6 +229,7 @@ if AVAILABLE:
         row0 = split.to(tl.int64) * rows_per_prog
         row_end = tl.minimum(row0 + rows_per_prog, N)
         acc = tl.zeros([BLOCK_C, BLOCK_J], dtype=tl.float32)
+        fresh = acc + zero  # a runtime 0.0: the compiler cannot fold ``acc += dot(.., fresh)`` into a chained dot
         for r0 in range(0, rows_per_prog, BLOCK_N):
             rows = row0 + r0 + tl.arange(0, BLOCK_N).to(tl.int64)
             rmask = rows < row_end
@@ -236,11 +239,10 @@ if AVAILABLE:
                         other=0.0)
             # each chunk's product from a zero accumulator, added to the running fp32 sum (the tensor cores' chained
             # accumulation over thousands of tokens loses precision)
-            part = tl.zeros([BLOCK_C, BLOCK_J], dtype=tl.float32)
             if HALF:
-                acc += _dot(tl.trans(a), b, part, UPCAST)
+                acc += _dot(tl.trans(a), b, fresh, UPCAST)
             else:
-                acc += tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), part, input_precision="ieee")
+                acc += tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), fresh, input_precision="ieee")
         out = out_ptr + split.to(tl.int64) * stride_split + base * B
         tl.store(out + cs[:, None] * B + js[None, :], _cast_to(acc, out_ptr, SOFT_BF16),
                  mask=cmask[:, None] & jmask[None, :])
@@ -256,14 +258,26 @@ if AVAILABLE:
         return tl.where(r < c, v, -v)
 
     @triton.jit
+    def _unpack_kernel(q_ptr, out_ptr, B, NPK, n_tiles, BLOCK_T: tl.constexpr):
+        # out[k] = the dense skew Q of block k, fp32, one tile per program
+        pid = tl.program_id(0)
+        per_blk = n_tiles * n_tiles
+        blk = pid // per_blk
+        ri = ((pid % per_blk) // n_tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
+        cj = (pid % n_tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
+        q = _skew_tile(q_ptr + blk.to(tl.int64) * NPK, ri[:, None], cj[None, :], B)
+        tl.store(out_ptr + blk.to(tl.int64) * B * B + ri[:, None] * B + cj[None, :], q,
+                 mask=(ri < B)[:, None] & (cj < B)[None, :])
+
+    @triton.jit
     def _cn_step_kernel(
         a_ptr, b_ptr, q_ptr, v_ptr, out_ptr,
-        B, NPK, n_tiles, nv, stride_v, sign, beta, gamma,
-        A_PACKED: tl.constexpr, B_PACKED: tl.constexpr, ADD_Q: tl.constexpr, PREC: tl.constexpr,
-        SOFT_BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+        B, n_tiles, nv, stride_v, sign, beta, gamma,
+        ADD_Q: tl.constexpr, PREC: tl.constexpr, SOFT_BF16: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         # out[k] = sign·(A[k] @ B[k]) + beta·Q[k] + gamma·I + Σ_{v<nv} c_v·V[v, k],  c_v = 2 (v < nv-1), 1 (v = nv-1)
-        # A, B: dense fp32 [n, B, B] blocks or (A_PACKED / B_PACKED) the skew Q of the packed q_ptr
+        # A, B, Q, V: dense fp32 [n, B, B] blocks
         pid = tl.program_id(0)
         per_blk = n_tiles * n_tiles
         blk = pid // per_blk
@@ -273,29 +287,22 @@ if AVAILABLE:
         cj = tj * BLOCK_T + tl.arange(0, BLOCK_T)
         imask = ri < B
         jmask = cj < B
-        q_blk = q_ptr + blk.to(tl.int64) * NPK
         dense = blk.to(tl.int64) * B * B
         acc = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
         for k0 in range(0, B, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             kmask = ks < B
-            if A_PACKED:
-                a = _skew_tile(q_blk, ri[:, None], ks[None, :], B)
-            else:
-                a = tl.load(a_ptr + dense + ri[:, None] * B + ks[None, :], mask=imask[:, None] & kmask[None, :],
-                            other=0.0)
-            if B_PACKED:
-                bt = _skew_tile(q_blk, ks[:, None], cj[None, :], B)
-            else:
-                bt = tl.load(b_ptr + dense + ks[:, None] * B + cj[None, :], mask=kmask[:, None] & jmask[None, :],
-                             other=0.0)
+            a = tl.load(a_ptr + dense + ri[:, None] * B + ks[None, :], mask=imask[:, None] & kmask[None, :],
+                        other=0.0)
+            bt = tl.load(b_ptr + dense + ks[:, None] * B + cj[None, :], mask=kmask[:, None] & jmask[None, :],
+                         other=0.0)
             acc = tl.dot(a, bt, acc, input_precision=PREC)
         acc = acc * sign
-        if ADD_Q:
-            acc += beta * _skew_tile(q_blk, ri[:, None], cj[None, :], B)
-        acc += tl.where(ri[:, None] == cj[None, :], gamma, 0.0)
         mask = imask[:, None] & jmask[None, :]
         offs = dense + ri[:, None] * B + cj[None, :]
+        if ADD_Q:
+            acc += beta * tl.load(q_ptr + offs, mask=mask, other=0.0)
+        acc += tl.where(ri[:, None] == cj[None, :], gamma, 0.0)
         for v in range(0, nv):
             coef = tl.where(v == nv - 1, 1.0, 2.0)
             acc += coef * tl.load(v_ptr + v * stride_v + offs, mask=mask, other=0.0)
@@ -410,7 +417,7 @@ def block_outer(a: torch.Tensor, b: torch.Tensor, perm: torch.Tensor, blocks: to
         return blocks.new_zeros(blocks.shape)
     perm = perm.contiguous()
     cfg = OUTER_CONFIG
-    block_c = block_j = _p2(size, hi=cfg.get("block_c", 64))
+    block_c = block_j = _p2(size, hi=cfg.get("block_c", 128))
     block_n = _p2(min(n_rows, cfg.get("block_n", 64)), hi=cfg.get("block_n", 64))
     n_ctiles = _cdiv(size, block_c)
     tiles = n_blocks * n_ctiles * n_ctiles
@@ -427,31 +434,41 @@ def block_outer(a: torch.Tensor, b: torch.Tensor, perm: torch.Tensor, blocks: to
     with _device_ctx(a):
         _outer_kernel[(tiles, n_split)](
             a2, b2, perm, out,
-            n_rows, size, a2.stride(0), b2.stride(0), n_ctiles, n_ctiles, rows_per_prog, blocks.numel(),
+            n_rows, size, a2.stride(0), b2.stride(0), n_ctiles, n_ctiles, rows_per_prog, blocks.numel(), 0.0,
             HALF=half, UPCAST=not a.is_cuda, SOFT_BF16=not a.is_cuda,
-            BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_J=block_j, num_warps=cfg.get("warps", 4),
+            BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_J=block_j, num_warps=cfg.get("warps", 8),
         )
     if n_split == 1:
         return out
     return out.sum(0).to(blocks.dtype)  # fixed order over the splits
 
 
-def _cn_step(a, b, q, v, out, size, *, a_packed=False, b_packed=False, sign=1.0, beta=0.0, gamma=0.0, nv=0):
-    """One launch of :func:`_cn_step_kernel` over all blocks (see its comment)."""
-    n_blocks = q.shape[0]
+def _cn_tiles(size: int) -> tuple:
     block_t = _p2(size, hi=64)
-    block_k = _p2(size, hi=32)
-    n_tiles = _cdiv(size, block_t)
-    dummy = out
+    return block_t, _p2(size, hi=32), _cdiv(size, block_t)
+
+
+def _cn_step(a, b, q, v, out, size, *, sign=1.0, beta=0.0, gamma=0.0, nv=0):
+    """One launch of :func:`_cn_step_kernel` over all blocks (see its comment); a, b, q, v dense fp32."""
+    n_blocks = q.shape[0]
+    block_t, block_k, n_tiles = _cn_tiles(size)
     _cn_step_kernel[(n_blocks * n_tiles * n_tiles,)](
-        dummy if a is None else a, dummy if b is None else b, q, dummy if v is None else v, out,
-        size, q.shape[1], n_tiles, nv, 0 if v is None or nv == 0 else v[0].numel(), float(sign), float(beta),
-        float(gamma),
-        A_PACKED=a_packed, B_PACKED=b_packed, ADD_Q=beta != 0.0, PREC=CAYLEY_PRECISION if q.is_cuda else "ieee",
-        SOFT_BF16=not q.is_cuda,
+        a, b, q, out if v is None else v, out,
+        size, n_tiles, nv, 0 if v is None or nv == 0 else v[0].numel(), float(sign), float(beta), float(gamma),
+        ADD_Q=beta != 0.0, PREC=CAYLEY_PRECISION if q.is_cuda else "ieee", SOFT_BF16=not q.is_cuda,
         BLOCK_T=block_t, BLOCK_K=block_k, num_warps=4,
     )
     return out
+
+
+def _dense_skew(packed: torch.Tensor, size: int) -> torch.Tensor:
+    """The dense fp32 skew blocks ``Q`` (``[n, b, b]``) of the packed triangles, one launch."""
+    n_blocks = packed.shape[0]
+    block_t, _, n_tiles = _cn_tiles(size)
+    q = torch.empty((n_blocks, size, size), dtype=torch.float32, device=packed.device)
+    _unpack_kernel[(n_blocks * n_tiles * n_tiles,)](packed, q, size, packed.shape[1], n_tiles, BLOCK_T=block_t,
+                                                     num_warps=4)
+    return q
 
 
 def cayley_forward(packed: torch.Tensor, block_size: int, terms: int) -> torch.Tensor:
@@ -463,13 +480,13 @@ def cayley_forward(packed: torch.Tensor, block_size: int, terms: int) -> torch.T
     if n_blocks == 0:
         return out
     with _device_ctx(packed):
+        q = _dense_skew(packed, b)
         if terms == 1:
-            return _cn_step(None, None, packed, None, out, b, a_packed=True, b_packed=True, beta=2.0, gamma=1.0)
-        h = _cn_step(None, None, packed, None, torch.empty_like(out, dtype=torch.float32), b,
-                     a_packed=True, b_packed=True, beta=2.0, gamma=2.0)  # H = Q·Q + 2Q + 2I
+            return _cn_step(q, q, q, None, out, b, beta=2.0, gamma=1.0)  # G = Q·Q + 2Q + I
+        h = _cn_step(q, q, q, None, torch.empty_like(q), b, beta=2.0, gamma=2.0)  # H = Q·Q + 2Q + 2I
         for _ in range(terms - 2):
-            h = _cn_step(h, None, packed, None, torch.empty_like(h), b, b_packed=True, gamma=2.0)  # H·Q + 2I
-        return _cn_step(h, None, packed, None, out, b, b_packed=True, gamma=1.0)  # G = H·Q + I
+            h = _cn_step(h, q, q, None, torch.empty_like(h), b, gamma=2.0)  # H·Q + 2I
+        return _cn_step(h, q, q, None, out, b, gamma=1.0)  # G = H·Q + I
 
 
 def cayley_backward(packed: torch.Tensor, grad_g: torch.Tensor, block_size: int, terms: int) -> torch.Tensor:
@@ -480,16 +497,17 @@ def cayley_backward(packed: torch.Tensor, grad_g: torch.Tensor, block_size: int,
     if n_blocks == 0:
         return out
     with _device_ctx(packed):
+        q = _dense_skew(packed, b)
         # R_j = Γ·Kʲ (K = Qᵀ = −Q), j = 0..k, stacked
         r = torch.empty((k + 1, n_blocks, b, b), dtype=torch.float32, device=packed.device)
         r[0].copy_(grad_g)
         for j in range(1, k + 1):
-            _cn_step(r[j - 1], None, packed, None, r[j], b, b_packed=True, sign=-1.0)
+            _cn_step(r[j - 1], q, q, None, r[j], b, sign=-1.0)
         # Horner on the left: W = R_0 (= c_{k+1}·Γ), W ← V_i − Q·W with V_i = 2·Σ_{j<k−i} R_j + R_{k−i}
         w = r[0].clone()
         w_next = torch.empty_like(w)
         for i in range(k - 1, -1, -1):
-            _cn_step(None, w, packed, r, w_next, b, a_packed=True, sign=-1.0, nv=k - i + 1)
+            _cn_step(q, w, q, r, w_next, b, sign=-1.0, nv=k - i + 1)
             w, w_next = w_next, w
         rows, cols = _triu_idx(b, packed.device)
         npk = rows.numel()
