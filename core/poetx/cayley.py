@@ -21,8 +21,10 @@ odd ``k`` (``k = 3``: ``1 − λ⁴``, at most 1, each block slightly contracts;
 :func:`orthogonality_error` measures ``max over blocks ‖GᵀG − I‖_F``.
 
 :func:`cayley_neumann` is an autograd Function whose forward (:func:`neumann_series`) and backward
-(:func:`neumann_series_backward`) are plain PyTorch batched matrix products over the blocks; a kernel can replace
-either one without changing the other.
+(:func:`neumann_series_backward`) are plain PyTorch batched matrix products over the blocks. For packed parameters the
+kernels take (CUDA, float16 / bfloat16 / float32, Triton importable, :data:`fastdora.poetx.kernels.ENABLED`)
+both run as Triton kernels instead (:func:`fastdora.poetx.kernels.cayley_forward` / ``cayley_backward``: ``Q`` read
+from the packed triangle, fp32 products); the PyTorch functions stay the reference.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from . import kernels as _kernels
 
 __all__ = [
     "skew_size",
@@ -118,11 +122,16 @@ class _CayleyNeumann(torch.autograd.Function):
     def forward(ctx, packed: torch.Tensor, block_size: int, terms: int) -> torch.Tensor:
         ctx.save_for_backward(packed)
         ctx.block_size, ctx.terms = block_size, terms
+        if _kernels.applies(packed):
+            return _kernels.cayley_forward(packed, block_size, terms)
         return neumann_series(skew_from_packed(packed, block_size), terms)
 
     @staticmethod
     def backward(ctx, grad_g: torch.Tensor):
         (packed,) = ctx.saved_tensors
+        # the kernels record no graph: a double backward (create_graph=True) takes the PyTorch path
+        if _kernels.applies(packed, grad_g) and not torch.is_grad_enabled():
+            return _kernels.cayley_backward(packed, grad_g, ctx.block_size, ctx.terms), None, None
         q = skew_from_packed(packed, ctx.block_size)
         grad_q = neumann_series_backward(q, grad_g.to(q.dtype), ctx.terms)
         rows, cols = _triu(ctx.block_size, packed.device)

@@ -30,6 +30,11 @@ bias); a block kernel can fold the gathers and scatters into its own loads and s
 The block products run in ``promote(activation dtype, block dtype)`` (float32 for bfloat16 activations with float32
 blocks) and round once to the activation dtype; the GEMMs run in the activation dtype like ``nn.Linear``. The gradient
 with respect to ``W`` is never computed: ``W`` changes only through merges.
+
+:func:`rotate` and :func:`block_outer` run as Triton kernels (:mod:`fastdora.poetx.kernels`: the permutations fused
+into the block products' loads and stores, fp32 accumulation) for tensors the kernels take (CUDA, float16 / bfloat16 /
+float32, Triton importable) when no autograd graph is being recorded through them; otherwise, and always with
+``fastdora.poetx.kernels.ENABLED = False``, the PyTorch code below runs: the reference the kernels are tested against.
 """
 
 from __future__ import annotations
@@ -40,10 +45,19 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from . import kernels as _kernels
+
 __all__ = ["MODES", "rotate", "block_outer", "poetx_linear"]
 
 #: "fast" saves the GEMM output ``u`` for the backward; "mem" saves only ``x`` and recomputes ``u`` (one more GEMM)
 MODES = ("fast", "mem")
+
+
+def _use_kernels(*tensors: Optional[torch.Tensor]) -> bool:
+    """The kernels take these tensors and no autograd graph is recorded through them."""
+    if not _kernels.applies(*tensors):
+        return False
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
 
 
 def _gather(t: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
@@ -73,6 +87,8 @@ def rotate(
         bias: optional ``[d]``, added before the single rounding.
         out_dtype: result dtype (default ``t``'s). The products run in ``promote(t.dtype, blocks.dtype)``.
     """
+    if _use_kernels(t, blocks, bias, perm):
+        return _kernels.rotate(t, perm, blocks, transpose=transpose, bias=bias, out_dtype=out_dtype)
     n_blocks, b = blocks.shape[0], blocks.shape[-1]
     compute = torch.promote_types(t.dtype, blocks.dtype)
     tp = _gather(t, perm).to(compute).unflatten(-1, (n_blocks, b))
@@ -87,6 +103,8 @@ def block_outer(a: torch.Tensor, b: torch.Tensor, perm: torch.Tensor, blocks: to
     """``[k, c, j] = Σ_rows gather(a)[row, k·b + c]·gather(b)[row, k·b + j]``: the gradient of the blocks of a
     :func:`rotate` (``a`` its output gradient, ``b`` its input), accumulated in at least float32, in ``blocks``' dtype.
     """
+    if _use_kernels(a, b, blocks, perm):
+        return _kernels.block_outer(a, b, perm, blocks)
     n_blocks, size = blocks.shape[0], blocks.shape[-1]
     compute = functools.reduce(torch.promote_types, (a.dtype, b.dtype, blocks.dtype, torch.float32))
     ap = _gather(a, perm).to(compute).unflatten(-1, (n_blocks, size))

@@ -1,0 +1,276 @@
+"""One POET-X layer, forward + backward, at Llama-8B shapes: fastdora's POET-X (fast / mem modes, with its Triton
+kernels and with its PyTorch path) against a trainable ``nn.Linear`` and a plain PyTorch POET-X written here the
+straightforward way (blocks built with batched matmuls, separate gathers of the activations, autograd backward).
+
+Shapes 4096→4096, 4096→14336, 14336→4096; sequence 2048, batch 1 and 4; block sizes 256 and 512; bfloat16 activations
+and weight, float32 ``Q``. Each row: the median time of ``y = layer(x); y.backward(dy)`` (``triton.testing.do_bench``
+on CUDA, ``time.perf_counter`` on CPU), the ratio to ``nn.Linear``, and the peak memory of one step above what the
+inputs hold. Prints a table and writes JSON (``--out``).
+
+``--sections ops`` times the single operations instead, kernels against the PyTorch path at 4096 features and 2048 /
+8192 tokens: ``rotate`` (forward and transposed), ``block_outer``, the Cayley–Neumann forward and backward, and
+``rotate`` / ``block_outer`` under the tile configurations of ``ROTATE_SWEEP`` / ``OUTER_SWEEP``.
+
+Usage:
+  python benchmarks/poetx_bench.py --out poetx_bench.json                  # CUDA, the layer grid (~2 min on an H200)
+  python benchmarks/poetx_bench.py --sections ops --out poetx_ops.json     # the single operations
+  python benchmarks/poetx_bench.py --device cpu --tiny --out /tmp/x.json   # tiny shapes on CPU: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from fastdora.poetx import PoetXLinear
+from fastdora.poetx import kernels as poetx_kernels
+from fastdora.poetx import ops as poetx_ops
+from fastdora.poetx.cayley import cayley_neumann, skew_size
+
+SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]
+BATCHES = [1, 4]
+SEQ = 2048
+BLOCKS = [256, 512]
+TINY = dict(shapes=[(64, 64), (64, 128), (128, 64)], batches=[1, 2], seq=16, blocks=[16, 32])
+VARIANTS = ["linear", "plain", "poetx-fast-torch", "poetx-fast", "poetx-mem"]
+
+
+class PlainPoetX(nn.Module):
+    """POET-X as plain PyTorch: the Cayley–Neumann blocks from batched matmuls, ``x[..., perm]`` gathers, a batched
+    matmul per side, the inverse permutation as another gather; autograd does the backward."""
+
+    def __init__(self, weight: torch.Tensor, block_size: int, terms: int = 3):
+        super().__init__()
+        d_out, d_in = weight.shape
+        self.b, self.terms = block_size, terms
+        self.weight = nn.Parameter(weight.detach().clone(), requires_grad=False)
+        self.q_in = nn.Parameter(torch.zeros(d_in // block_size, skew_size(block_size), device=weight.device))
+        self.q_out = nn.Parameter(torch.zeros(d_out // block_size, skew_size(block_size), device=weight.device))
+        for name, d in (("perm_in", d_in), ("perm_out", d_out)):
+            perm = torch.randperm(d, device=weight.device)
+            self.register_buffer(name, perm)
+            self.register_buffer(name + "_inv", torch.argsort(perm))
+        rows, cols = torch.triu_indices(block_size, block_size, 1, device=weight.device)
+        self.register_buffer("rows", rows)
+        self.register_buffer("cols", cols)
+
+    def _blocks(self, packed: torch.Tensor) -> torch.Tensor:
+        upper = packed.new_zeros(packed.shape[0], self.b, self.b)
+        upper[:, self.rows, self.cols] = packed
+        q = upper - upper.mT
+        power, acc = q, 2 * q
+        for _ in range(self.terms - 1):
+            power = power @ q
+            acc = acc + 2 * power
+        return acc + power @ q + torch.eye(self.b, device=q.device)
+
+    def _rotate(self, t: torch.Tensor, perm, inv, blocks) -> torch.Tensor:
+        n_blocks = blocks.shape[0]
+        tp = t[..., perm].reshape(-1, n_blocks, self.b).transpose(0, 1)  # [k, N, b]
+        out = torch.bmm(tp, blocks.mT.to(t.dtype)).transpose(0, 1).reshape(*t.shape)
+        return out[..., inv]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self._rotate(x, self.perm_in, self.perm_in_inv, self._blocks(self.q_in))
+        u = z @ self.weight.T
+        return self._rotate(u, self.perm_out, self.perm_out_inv, self._blocks(self.q_out))
+
+
+def _layer(variant: str, weight: torch.Tensor, b: int) -> nn.Module:
+    d_out, d_in = weight.shape
+    if variant == "linear":
+        lin = nn.Linear(d_in, d_out, bias=False, device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            lin.weight.copy_(weight)
+        return lin
+    if variant == "plain":
+        return PlainPoetX(weight, b)
+    base = nn.Linear(d_in, d_out, bias=False, device="meta")
+    base.weight = nn.Parameter(weight.detach().clone())
+    layer = PoetXLinear(base, b, mode="mem" if variant == "poetx-mem" else "fast")
+    with torch.no_grad():  # a layer in training: Q away from zero
+        layer.q_in.normal_(0, 0.3 / b ** 0.5)
+        layer.q_out.normal_(0, 0.3 / b ** 0.5)
+    return layer
+
+
+def _timer(device: str, reps: int):
+    if device == "cuda":
+        import triton.testing
+
+        return lambda fn: triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+    def cpu_median(fn):
+        fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    return cpu_median
+
+
+def run(device: str, tiny: bool, variants: list) -> list:
+    shapes = TINY["shapes"] if tiny else SHAPES
+    batches = TINY["batches"] if tiny else BATCHES
+    seq = TINY["seq"] if tiny else SEQ
+    blocks = TINY["blocks"] if tiny else BLOCKS
+    dtype = torch.bfloat16
+    timer = _timer(device, reps=3 if tiny else 10)
+    rows = []
+    for d_in, d_out in shapes:
+        weight = (torch.randn(d_out, d_in, device=device) / d_in ** 0.5).to(dtype)
+        for batch in batches:
+            x = torch.randn(batch, seq, d_in, device=device, dtype=dtype, requires_grad=True)
+            dy = torch.randn(batch, seq, d_out, device=device, dtype=dtype)
+            base_ms = None
+            for b in blocks:
+                for variant in variants:
+                    if variant == "linear" and b != blocks[0]:
+                        continue  # nn.Linear has no block size: measured once per shape and batch
+                    layer = _layer(variant, weight, b)
+                    poetx_kernels.ENABLED = variant != "poetx-fast-torch"
+
+                    def step(layer=layer):
+                        x.grad = None
+                        layer(x).backward(dy)
+                        for p in layer.parameters():
+                            p.grad = None
+
+                    try:
+                        step()  # compiles the kernels, fills the caches
+                        if device == "cuda":
+                            torch.cuda.synchronize()
+                            torch.cuda.reset_peak_memory_stats()
+                            before = torch.cuda.memory_allocated()
+                            step()
+                            torch.cuda.synchronize()
+                            peak_mb = (torch.cuda.max_memory_allocated() - before) / 2 ** 20
+                        else:
+                            peak_mb = None
+                        ms = timer(step)
+                    finally:
+                        poetx_kernels.ENABLED = True
+                    if variant == "linear":
+                        base_ms = ms
+                    rows.append(dict(d_in=d_in, d_out=d_out, batch=batch, seq=seq, block=b, variant=variant, ms=ms,
+                                     vs_linear=None if base_ms is None else ms / base_ms, peak_mb=peak_mb))
+                    print(_fmt(rows[-1]), flush=True)
+                    del layer
+    return rows
+
+
+ROTATE_SWEEP = [dict(block_m=64, block_c=128, block_k=32, warps=4), dict(block_m=64, block_c=256, block_k=32, warps=8),
+                dict(block_m=128, block_c=128, block_k=32, warps=8), dict(block_m=32, block_c=256, block_k=64, warps=8),
+                dict(block_m=16, block_c=256, block_k=64, warps=4, blocks_per_prog="all"),
+                dict(block_m=32, block_c=128, block_k=64, warps=4, blocks_per_prog="all"),
+                dict(block_m=64, block_c=128, block_k=32, warps=4, blocks_per_prog=4)]
+OUTER_SWEEP = [dict(block_n=64, block_c=64, warps=4), dict(block_n=64, block_c=128, warps=8),
+               dict(block_n=32, block_c=128, warps=8), dict(block_n=128, block_c=128, warps=8)]
+
+
+def run_ops(device: str, tiny: bool) -> list:
+    """Each operation alone: kernels vs the PyTorch path (and tile sweeps), median ms."""
+    timer = _timer(device, reps=3 if tiny else 10)
+    d = 64 if tiny else 4096
+    rows = []
+
+    def record(op, n, b, variant, fn):
+        ms = timer(fn)
+        rows.append(dict(op=op, tokens=n, d=d, block=b, variant=variant, ms=ms))
+        print(f"{op:<16} tokens {n:<5} d {d} b={b:<4} {variant:<40} {ms:9.3f} ms", flush=True)
+
+    for b in (TINY["blocks"] if tiny else BLOCKS):
+        packed = torch.randn(d // b, skew_size(b), device=device) * (0.3 / b ** 0.5)
+        g = cayley_neumann(packed, b).detach()
+        grad_g = torch.randn_like(g)
+        perm = torch.randperm(d, device=device)
+        for n in ((16,) if tiny else (2048, 8192)):
+            t = torch.randn(n, d, device=device, dtype=torch.bfloat16)
+            c = torch.randn(n, d, device=device, dtype=torch.bfloat16)
+            p = packed.clone().requires_grad_()
+            cases = [
+                ("rotate", lambda: poetx_ops.rotate(t, perm, g)),
+                ("rotate-T", lambda: poetx_ops.rotate(t, perm, g, transpose=True)),
+                ("block_outer", lambda: poetx_ops.block_outer(t, c, perm, g)),
+                ("cayley fwd+bwd", lambda: cayley_neumann(p, b).backward(grad_g)),
+            ]
+            for op, fn in cases:
+                if op == "cayley fwd+bwd" and n != (16 if tiny else 2048):
+                    continue  # no tokens involved
+                for enabled in (True, False):
+                    poetx_kernels.ENABLED = enabled
+                    try:
+                        record(op, n, b, "kernels" if enabled else "pytorch", fn)
+                    finally:
+                        poetx_kernels.ENABLED = True
+            for cfg in ROTATE_SWEEP:
+                poetx_kernels.ROTATE_CONFIG = cfg
+                try:
+                    record("rotate", n, b, f"kernels {cfg}", cases[0][1])
+                finally:
+                    poetx_kernels.ROTATE_CONFIG = {}
+            for cfg in OUTER_SWEEP:
+                poetx_kernels.OUTER_CONFIG = cfg
+                try:
+                    record("block_outer", n, b, f"kernels {cfg}", cases[2][1])
+                finally:
+                    poetx_kernels.OUTER_CONFIG = {}
+    return rows
+
+
+def _fmt(r: dict) -> str:
+    ratio = "" if r["vs_linear"] is None else f"{r['vs_linear']:.2f}x"
+    peak = "" if r["peak_mb"] is None else f"{r['peak_mb']:.0f}"
+    return (f"{r['d_in']:>6}->{r['d_out']:<6} batch {r['batch']} seq {r['seq']} b={r['block']:<4} "
+            f"{r['variant']:<17} {r['ms']:9.3f} ms {ratio:>7} {peak:>8} MiB")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes (checks the script, measures nothing useful)")
+    ap.add_argument("--sections", default="layer", help="comma separated: layer (the layer grid), ops")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma separated subset of {VARIANTS}")
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    a = ap.parse_args()
+    variants = [v for v in a.variants.split(",") if v]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        ap.error(f"unknown variants {unknown}")
+    if "linear" in variants:  # nn.Linear first: the ratios need its time
+        variants.remove("linear")
+        variants.insert(0, "linear")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        ap.error("no CUDA device (use --device cpu --tiny to check the script)")
+    torch.manual_seed(0)
+    sections = [x for x in a.sections.split(",") if x]
+    if set(sections) - {"layer", "ops"}:
+        ap.error(f"unknown sections {sorted(set(sections) - {'layer', 'ops'})}")
+    rows = run(a.device, a.tiny, variants) if "layer" in sections else []
+    op_rows = run_ops(a.device, a.tiny) if "ops" in sections else []
+    device = torch.cuda.get_device_name() if a.device == "cuda" else platform.processor()
+    meta = dict(torch=torch.__version__, device=device, triton_kernels=poetx_kernels.AVAILABLE and a.device == "cuda",
+                tiny=a.tiny)
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except Exception:  # noqa: BLE001
+        meta["triton"] = None
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(dict(meta=meta, rows=rows, ops=op_rows), f, indent=1)
+        print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,523 @@
+r"""Triton kernels of POET-X: the Cayley–Neumann blocks and the block-diagonal products with fused permutations.
+
+Same math as the PyTorch functions they replace (:func:`fastdora.poetx.cayley.neumann_series` and its backward,
+:func:`fastdora.poetx.ops.rotate`, :func:`fastdora.poetx.ops.block_outer`); the callers dispatch here for tensors
+:func:`applies` accepts and keep the PyTorch functions as the exact reference everywhere else.
+
+Block-diagonal products (``rotate``, ``block_outer``):
+
+- Activations are ``[N, d]`` rows with a unit-stride feature dim (any row stride). The permutation is never applied
+  as a pass of its own: a program loads its block's ``b`` features of a row tile through the index vector
+  (``t[rows, perm[k·b + j]]``) and stores its results through the same index (``out[rows, perm[k·b + c]]``), so the
+  gather and the inverse scatter of :func:`~fastdora.poetx.ops.rotate` are the kernel's own loads and stores.
+- ``rotate``: program ``(block k, column tile, row tile)``, the block index varying fastest so that the programs
+  reading one row tile run together and find it in L2. Products on the tensor cores with fp32 accumulation: half
+  activations with float32 blocks multiply the exact half tile by the block split into half-precision parts
+  (``g ≈ hi + lo``, 16 significant bits, :data:`SPLIT_PARTS`), half blocks of the activations' dtype in one product,
+  anything else (float32 activations, mixed half dtypes) as float32 products (``input_precision="ieee"``). The bias
+  is added before the single rounding to the output dtype.
+- ``block_outer``: program ``(block k, tile of c, tile of j, token split)``, ``Σ_rows a[row, perm[k·b+c]] ·
+  b[row, perm[k·b+j]]`` as a ``[b, N] × [N, b]`` product per block with fp32 accumulation (exact products for half
+  operands, the tensor cores' accumulation restarted every chunk of tokens and the chunks added in fp32); when a
+  shape has too few tiles to fill the GPU the tokens are split over programs and the fp32 partial sums added in a
+  fixed order (deterministic).
+
+Cayley–Neumann blocks (``cayley_forward``, ``cayley_backward``), batched over the blocks, one launch per matrix
+product, every ``b×b·b×b`` product with fp32 operands (3xTF32 on the GPU, :data:`CAYLEY_PRECISION`; fp32 FMAs under
+the interpreter). The dense skew ``Q`` is unpacked once per call (one launch: ``Q[i, j] = θ``, ``Q[j, i] = −θ``) so
+that every product reads dense tiles:
+
+- forward, Horner's scheme of ``G = I + 2(Q + … + Qᵏ) + Qᵏ⁺¹``: ``H = Q·Q + 2Q + 2I``, then ``H ← H·Q + 2I``, and
+  ``G = H·Q + I`` (``k`` products, ``k`` launches; ``k = 1``: ``G = Q·Q + 2Q + I`` in one launch).
+- backward, with ``Γ = ∂L/∂G`` and ``K = Qᵀ = −Q``: the vector-Jacobian product of ``Σ_m c_m Q^m`` is
+  ``D = Σ_{i+j ≤ k} c_{i+j+1} Kⁱ Γ Kʲ``. The right powers ``R_j = Γ Kʲ`` (``R_j = −R_{j−1} Q``, ``k`` launches),
+  then Horner on the left, ``W = R_0``, ``W ← V_i − Q·W`` for ``i = k−1 … 0`` with ``V_i = 2·Σ_{j<k−i} R_j +
+  R_{k−i}`` added in the same launch (``k`` launches), and one launch that packs ``∂L/∂θ_ij = D_ij − D_ji``: ``2k``
+  products against the ``3k − 1`` of the plain recurrence.
+
+Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors (tests): half-precision dots are run as fp32 dots of the
+same (exactly representable) operands, and fp32 -> bf16 stores round to nearest even with integer ops (the
+interpreter's cast truncates), so the interpreter computes what the GPU computes.
+
+Room left for an 8-bit base: the dense GEMM with ``W`` stays outside these kernels (``torch.matmul``), so a
+dequantising GEMM can replace it without touching the block products.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+try:  # pragma: no cover - exercised wherever triton is installed
+    import triton
+    import triton.language as tl
+
+    AVAILABLE = True
+except Exception:  # pragma: no cover
+    triton = None
+    tl = None
+    AVAILABLE = False
+
+__all__ = [
+    "AVAILABLE",
+    "ENABLED",
+    "DEVICE_TYPES",
+    "SPLIT_PARTS",
+    "applies",
+    "rotate",
+    "block_outer",
+    "cayley_forward",
+    "cayley_backward",
+]
+
+#: False: every caller runs its PyTorch code (to compare against the kernels, or where Triton misbehaves)
+ENABLED = True
+#: device types whose tensors take the kernels (tests add "cpu" under Triton's interpreter)
+DEVICE_TYPES: tuple = ("cuda",)
+#: half-precision parts a float32 block is split into for products with half activations (2: 16 significant bits,
+#: far below the half-precision output's rounding; 3: float32's 24 bits, 1.5x the tensor-core work)
+SPLIT_PARTS = 2
+
+#: input precision of the Cayley–Neumann kernels' fp32 products on the GPU: "tf32x3" (three TF32 tensor-core
+#: products, about fp32's accuracy) or "ieee" (fp32 FMAs)
+CAYLEY_PRECISION = "tf32x3"
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def applies(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether the kernels take these tensors: Triton is importable, :data:`ENABLED`, every floating-point tensor (None
+    skipped) has a kernel dtype, all sit on one device of a type in :data:`DEVICE_TYPES`."""
+    if not (AVAILABLE and ENABLED):
+        return False
+    device = None
+    for t in tensors:
+        if t is None:
+            continue
+        if t.device.type not in DEVICE_TYPES or (device is not None and t.device != device):
+            return False
+        if t.is_floating_point() and t.dtype not in _DTYPES:
+            return False
+        device = t.device
+    return device is not None
+
+
+def _p2(n: int, lo: int = 16, hi: int = 1 << 30) -> int:
+    """The power of two >= n, clamped to [lo, hi] (tl.dot needs tile sides >= 16)."""
+    return max(lo, min(hi, 1 << max(0, int(n) - 1).bit_length()))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``[N, d]`` with a unit-stride last dim (a copy only when the layout needs one)."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 or t2.shape[-1] <= 1 else t2.contiguous()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# kernels
+# --------------------------------------------------------------------------------------------------------------------
+
+if AVAILABLE:
+
+    @triton.jit
+    def _dot(p, q, acc, UPCAST: tl.constexpr):
+        """acc + p @ q with fp32 accumulation; UPCAST (the interpreter, CPU tensors): an fp32 dot of the same operands
+        (products of half-precision operands are exact in fp32, as on the tensor cores)."""
+        if UPCAST:
+            return tl.dot(p.to(tl.float32), q.to(tl.float32), acc, input_precision="ieee")
+        return tl.dot(p, q, acc)
+
+    @triton.jit
+    def _mma(a, g, acc, PARTS: tl.constexpr, UPCAST: tl.constexpr):
+        """acc + a @ g. PARTS 0: float32 products of both operands; 1: one product in a's dtype (g has it); 2 / 3: g
+        split into that many parts of a's half dtype (hi + lo [+ lo2]), one exact product each."""
+        if PARTS == 0:
+            return tl.dot(a.to(tl.float32), g.to(tl.float32), acc, input_precision="ieee")
+        g32 = g.to(tl.float32)
+        hi = g32.to(a.dtype)
+        acc = _dot(a, hi, acc, UPCAST)
+        if PARTS >= 2:
+            r = g32 - hi.to(tl.float32)
+            mid = r.to(a.dtype)
+            acc = _dot(a, mid, acc, UPCAST)
+            if PARTS >= 3:
+                acc = _dot(a, (r - mid.to(tl.float32)).to(a.dtype), acc, UPCAST)
+        return acc
+
+    @triton.jit
+    def _cast_to(x, ptr, SOFT_BF16: tl.constexpr):
+        """fp32 -> the element type of ``ptr``, rounding to nearest even (SOFT_BF16: bf16 rounding with integer ops,
+        for the interpreter whose cast truncates)."""
+        if ptr.dtype.element_ty == tl.float32:
+            return x
+        elif SOFT_BF16 and ptr.dtype.element_ty == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            return x.to(ptr.dtype.element_ty)
+
+    @triton.jit
+    def _rotate_kernel(
+        t_ptr, perm_ptr, g_ptr, bias_ptr, out_ptr,
+        N, B, stride_t, stride_out, n_ctiles, blocks_per_prog,
+        TRANSPOSE: tl.constexpr, HAS_BIAS: tl.constexpr, PARTS: tl.constexpr, UPCAST: tl.constexpr,
+        SOFT_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        # out[r, perm[k·B + c]] = Σ_j t[r, perm[k·B + j]] · G[k, c, j]   (TRANSPOSE: · G[k, j, c]) + bias[perm[k·B + c]]
+        # program (group of blocks_per_prog blocks, column tile; row tile): the group index varies fastest, so the
+        # programs gathering from one row tile run together (L2); a group of several blocks gathers its rows'
+        # features from the program's own L1
+        pid = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        group = pid // n_ctiles
+        ct = pid % n_ctiles
+        rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+        rmask = rows < N
+        cols = ct * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = cols < B
+        for i in range(0, blocks_per_prog):
+            base = (group * blocks_per_prog + i).to(tl.int64) * B
+            f_out = tl.load(perm_ptr + base + cols, mask=cmask, other=0)
+            g_blk = g_ptr + base * B
+            acc = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+            for j0 in range(0, B, BLOCK_K):
+                js = j0 + tl.arange(0, BLOCK_K)
+                jmask = js < B
+                f_in = tl.load(perm_ptr + base + js, mask=jmask, other=0)
+                a = tl.load(t_ptr + rows[:, None] * stride_t + f_in[None, :], mask=rmask[:, None] & jmask[None, :],
+                            other=0.0)
+                gmask = jmask[:, None] & cmask[None, :]
+                if TRANSPOSE:
+                    g = tl.load(g_blk + js[:, None] * B + cols[None, :], mask=gmask, other=0.0)
+                else:
+                    g = tl.load(g_blk + cols[None, :] * B + js[:, None], mask=gmask, other=0.0)
+                acc = _mma(a, g, acc, PARTS, UPCAST)
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + f_out, mask=cmask, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + rows[:, None] * stride_out + f_out[None, :], _cast_to(acc, out_ptr, SOFT_BF16),
+                     mask=rmask[:, None] & cmask[None, :])
+
+    @triton.jit
+    def _outer_kernel(
+        a_ptr, b_ptr, perm_ptr, out_ptr,
+        N, B, stride_a, stride_b, n_ctiles, n_jtiles, rows_per_prog, stride_split, zero,
+        HALF: tl.constexpr, UPCAST: tl.constexpr, SOFT_BF16: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_J: tl.constexpr,
+    ):
+        # out[s, k, c, j] = Σ_{rows of split s} a[r, perm[k·B + c]] · b[r, perm[k·B + j]]
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        per_blk = n_ctiles * n_jtiles
+        blk = pid // per_blk
+        ct = (pid % per_blk) // n_jtiles
+        jt = pid % n_jtiles
+        cs = ct * BLOCK_C + tl.arange(0, BLOCK_C)
+        js = jt * BLOCK_J + tl.arange(0, BLOCK_J)
+        cmask = cs < B
+        jmask = js < B
+        base = blk.to(tl.int64) * B
+        f_c = tl.load(perm_ptr + base + cs, mask=cmask, other=0)
+        f_j = tl.load(perm_ptr + base + js, mask=jmask, other=0)
+        row0 = split.to(tl.int64) * rows_per_prog
+        row_end = tl.minimum(row0 + rows_per_prog, N)
+        acc = tl.zeros([BLOCK_C, BLOCK_J], dtype=tl.float32)
+        fresh = acc + zero  # a runtime 0.0: the compiler cannot fold ``acc += dot(.., fresh)`` into a chained dot
+        for r0 in range(0, rows_per_prog, BLOCK_N):
+            rows = row0 + r0 + tl.arange(0, BLOCK_N).to(tl.int64)
+            rmask = rows < row_end
+            a = tl.load(a_ptr + rows[:, None] * stride_a + f_c[None, :], mask=rmask[:, None] & cmask[None, :],
+                        other=0.0)
+            b = tl.load(b_ptr + rows[:, None] * stride_b + f_j[None, :], mask=rmask[:, None] & jmask[None, :],
+                        other=0.0)
+            # each chunk's product from a zero accumulator, added to the running fp32 sum (the tensor cores' chained
+            # accumulation over thousands of tokens loses precision)
+            if HALF:
+                acc += _dot(tl.trans(a), b, fresh, UPCAST)
+            else:
+                acc += tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), fresh, input_precision="ieee")
+        out = out_ptr + split.to(tl.int64) * stride_split + base * B
+        tl.store(out + cs[:, None] * B + js[None, :], _cast_to(acc, out_ptr, SOFT_BF16),
+                 mask=cmask[:, None] & jmask[None, :])
+
+    @triton.jit
+    def _skew_tile(q_ptr, r, c, B):
+        """Q[r, c] of the block whose packed strict upper triangle starts at q_ptr (r: [X, 1], c: [1, Y] indices):
+        θ at the row-major triangle index of (min, max), negated below the diagonal, 0 on it and outside the block."""
+        lo = tl.minimum(r, c)
+        hi = tl.maximum(r, c)
+        idx = lo * (2 * B - lo - 1) // 2 + hi - lo - 1
+        v = tl.load(q_ptr + idx, mask=(r < B) & (c < B) & (r != c), other=0.0).to(tl.float32)
+        return tl.where(r < c, v, -v)
+
+    @triton.jit
+    def _unpack_kernel(q_ptr, out_ptr, B, NPK, n_tiles, BLOCK_T: tl.constexpr):
+        # out[k] = the dense skew Q of block k, fp32, one tile per program
+        pid = tl.program_id(0)
+        per_blk = n_tiles * n_tiles
+        blk = pid // per_blk
+        ri = ((pid % per_blk) // n_tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
+        cj = (pid % n_tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
+        q = _skew_tile(q_ptr + blk.to(tl.int64) * NPK, ri[:, None], cj[None, :], B)
+        tl.store(out_ptr + blk.to(tl.int64) * B * B + ri[:, None] * B + cj[None, :], q,
+                 mask=(ri < B)[:, None] & (cj < B)[None, :])
+
+    @triton.jit
+    def _cn_step_kernel(
+        a_ptr, b_ptr, q_ptr, v_ptr, out_ptr,
+        B, n_tiles, nv, stride_v, sign, beta, gamma,
+        ADD_Q: tl.constexpr, PREC: tl.constexpr, SOFT_BF16: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        # out[k] = sign·(A[k] @ B[k]) + beta·Q[k] + gamma·I + Σ_{v<nv} c_v·V[v, k],  c_v = 2 (v < nv-1), 1 (v = nv-1)
+        # A, B, Q, V: dense fp32 [n, B, B] blocks
+        pid = tl.program_id(0)
+        per_blk = n_tiles * n_tiles
+        blk = pid // per_blk
+        ti = (pid % per_blk) // n_tiles
+        tj = pid % n_tiles
+        ri = ti * BLOCK_T + tl.arange(0, BLOCK_T)
+        cj = tj * BLOCK_T + tl.arange(0, BLOCK_T)
+        imask = ri < B
+        jmask = cj < B
+        dense = blk.to(tl.int64) * B * B
+        acc = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
+        for k0 in range(0, B, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            kmask = ks < B
+            a = tl.load(a_ptr + dense + ri[:, None] * B + ks[None, :], mask=imask[:, None] & kmask[None, :],
+                        other=0.0)
+            bt = tl.load(b_ptr + dense + ks[:, None] * B + cj[None, :], mask=kmask[:, None] & jmask[None, :],
+                         other=0.0)
+            acc = tl.dot(a, bt, acc, input_precision=PREC)
+        acc = acc * sign
+        mask = imask[:, None] & jmask[None, :]
+        offs = dense + ri[:, None] * B + cj[None, :]
+        if ADD_Q:
+            acc += beta * tl.load(q_ptr + offs, mask=mask, other=0.0)
+        acc += tl.where(ri[:, None] == cj[None, :], gamma, 0.0)
+        for v in range(0, nv):
+            coef = tl.where(v == nv - 1, 1.0, 2.0)
+            acc += coef * tl.load(v_ptr + v * stride_v + offs, mask=mask, other=0.0)
+        tl.store(out_ptr + offs, _cast_to(acc, out_ptr, SOFT_BF16), mask=mask)
+
+    @triton.jit
+    def _pack_kernel(d_ptr, rows_ptr, cols_ptr, out_ptr, B, NPK, SOFT_BF16: tl.constexpr, BLOCK: tl.constexpr):
+        # out[k, m] = D[k, rows[m], cols[m]] - D[k, cols[m], rows[m]]: the gradient of the stored θ of a skew Q
+        blk = tl.program_id(1)
+        ms = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = ms < NPK
+        r = tl.load(rows_ptr + ms, mask=mask, other=0)
+        c = tl.load(cols_ptr + ms, mask=mask, other=0)
+        d = d_ptr + blk.to(tl.int64) * B * B
+        val = tl.load(d + r * B + c, mask=mask, other=0.0) - tl.load(d + c * B + r, mask=mask, other=0.0)
+        tl.store(out_ptr + blk.to(tl.int64) * NPK + ms, _cast_to(val, out_ptr, SOFT_BF16), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# launchers
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _device_ctx(t: torch.Tensor):
+    return torch.cuda.device(t.device) if t.is_cuda else _NullCtx()
+
+
+class _NullCtx:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _parts(t_dtype: torch.dtype, g_dtype: torch.dtype) -> int:
+    """How ``rotate`` multiplies activations of ``t_dtype`` by blocks of ``g_dtype`` (see :func:`_mma`)."""
+    if t_dtype in _HALF and g_dtype == t_dtype:
+        return 1
+    if t_dtype in _HALF and g_dtype == torch.float32:
+        return SPLIT_PARTS
+    return 0  # float32 activations, or half blocks of the other half dtype: float32 products
+
+
+#: tile configurations (benchmark sweeps): ``{"block_m", "block_c", "block_k", "warps", "blocks_per_prog"}`` of
+#: ``rotate`` (``blocks_per_prog``: blocks one program handles in turn, "all" for every block) and
+#: ``{"block_n", "block_c", "warps"}`` of ``block_outer``, each capped by the block size; empty: the defaults
+ROTATE_CONFIG: dict = {}
+OUTER_CONFIG: dict = {}
+
+
+def _rotate_config(n_rows: int, b: int) -> tuple:
+    cfg = ROTATE_CONFIG
+    block_c = _p2(b, hi=cfg.get("block_c", 128))
+    block_m = _p2(min(n_rows, cfg.get("block_m", 64)), hi=cfg.get("block_m", 64))
+    block_k = _p2(b, hi=cfg.get("block_k", 32))
+    return block_m, block_c, block_k, cfg.get("warps", 4), cfg.get("blocks_per_prog", 1)
+
+
+def rotate(
+    t: torch.Tensor,
+    perm: torch.Tensor,
+    blocks: torch.Tensor,
+    *,
+    transpose: bool = False,
+    bias: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """:func:`fastdora.poetx.ops.rotate` (same arguments and result) in one launch, permutations fused."""
+    n_blocks, b = blocks.shape[0], blocks.shape[-1]
+    t2 = _rows(t)
+    n_rows, d = t2.shape
+    out = torch.empty((n_rows, d), dtype=out_dtype or t.dtype, device=t.device)
+    if n_rows == 0 or d == 0:
+        return out.reshape(*t.shape[:-1], d)
+    g = blocks.contiguous()
+    perm = perm.contiguous()
+    bias_t = bias.contiguous() if bias is not None else g
+    block_m, block_c, block_k, warps, per_prog = _rotate_config(n_rows, b)
+    per_prog = n_blocks if per_prog == "all" or n_blocks % per_prog else per_prog
+    n_ctiles = _cdiv(b, block_c)
+    grid = (n_blocks // per_prog * n_ctiles, _cdiv(n_rows, block_m))
+    with _device_ctx(t):
+        _rotate_kernel[grid](
+            t2, perm, g, bias_t, out,
+            n_rows, b, t2.stride(0), out.stride(0), n_ctiles, per_prog,
+            TRANSPOSE=bool(transpose), HAS_BIAS=bias is not None, PARTS=_parts(t.dtype, g.dtype),
+            UPCAST=not t.is_cuda, SOFT_BF16=not t.is_cuda,
+            BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_K=block_k, num_warps=warps,
+        )
+    return out.reshape(*t.shape[:-1], d)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return _sm_count_cuda(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_cuda(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def block_outer(a: torch.Tensor, b: torch.Tensor, perm: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """:func:`fastdora.poetx.ops.block_outer` (same arguments and result): per block ``Σ_rows gather(a)ᵀ ⊗
+    gather(b)``, fp32 accumulation, permutations fused into the loads."""
+    n_blocks, size = blocks.shape[0], blocks.shape[-1]
+    a2, b2 = _rows(a), _rows(b)
+    n_rows = a2.shape[0]
+    if n_rows == 0:
+        return blocks.new_zeros(blocks.shape)
+    perm = perm.contiguous()
+    cfg = OUTER_CONFIG
+    block_c = block_j = _p2(size, hi=cfg.get("block_c", 128))
+    block_n = _p2(min(n_rows, cfg.get("block_n", 64)), hi=cfg.get("block_n", 64))
+    n_ctiles = _cdiv(size, block_c)
+    tiles = n_blocks * n_ctiles * n_ctiles
+    # split the tokens over programs while the tiles alone leave the GPU's multiprocessors idle
+    target = 2 * _sm_count(a.device)
+    n_split = max(1, min(_cdiv(target, tiles), n_rows // 512))
+    rows_per_prog = _cdiv(_cdiv(n_rows, n_split), block_n) * block_n
+    n_split = _cdiv(n_rows, rows_per_prog)
+    half = a2.dtype == b2.dtype and a2.dtype in _HALF
+    if n_split == 1:
+        out = torch.empty(blocks.shape, dtype=blocks.dtype, device=blocks.device)
+    else:
+        out = torch.empty((n_split, *blocks.shape), dtype=torch.float32, device=blocks.device)
+    with _device_ctx(a):
+        _outer_kernel[(tiles, n_split)](
+            a2, b2, perm, out,
+            n_rows, size, a2.stride(0), b2.stride(0), n_ctiles, n_ctiles, rows_per_prog, blocks.numel(), 0.0,
+            HALF=half, UPCAST=not a.is_cuda, SOFT_BF16=not a.is_cuda,
+            BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_J=block_j, num_warps=cfg.get("warps", 8),
+        )
+    if n_split == 1:
+        return out
+    return out.sum(0).to(blocks.dtype)  # fixed order over the splits
+
+
+def _cn_tiles(size: int) -> tuple:
+    block_t = _p2(size, hi=64)
+    return block_t, _p2(size, hi=32), _cdiv(size, block_t)
+
+
+def _cn_step(a, b, q, v, out, size, *, sign=1.0, beta=0.0, gamma=0.0, nv=0):
+    """One launch of :func:`_cn_step_kernel` over all blocks (see its comment); a, b, q, v dense fp32."""
+    n_blocks = q.shape[0]
+    block_t, block_k, n_tiles = _cn_tiles(size)
+    _cn_step_kernel[(n_blocks * n_tiles * n_tiles,)](
+        a, b, q, out if v is None else v, out,
+        size, n_tiles, nv, 0 if v is None or nv == 0 else v[0].numel(), float(sign), float(beta), float(gamma),
+        ADD_Q=beta != 0.0, PREC=CAYLEY_PRECISION if q.is_cuda else "ieee", SOFT_BF16=not q.is_cuda,
+        BLOCK_T=block_t, BLOCK_K=block_k, num_warps=4,
+    )
+    return out
+
+
+def _dense_skew(packed: torch.Tensor, size: int) -> torch.Tensor:
+    """The dense fp32 skew blocks ``Q`` (``[n, b, b]``) of the packed triangles, one launch."""
+    n_blocks = packed.shape[0]
+    block_t, _, n_tiles = _cn_tiles(size)
+    q = torch.empty((n_blocks, size, size), dtype=torch.float32, device=packed.device)
+    _unpack_kernel[(n_blocks * n_tiles * n_tiles,)](packed, q, size, packed.shape[1], n_tiles, BLOCK_T=block_t,
+                                                     num_warps=4)
+    return q
+
+
+def cayley_forward(packed: torch.Tensor, block_size: int, terms: int) -> torch.Tensor:
+    """``G = I + 2(Q + … + Qᵏ) + Qᵏ⁺¹`` (``[n_blocks, b, b]`` in ``packed``'s dtype) from the packed skew ``Q``; fp32
+    products, one rounding to ``packed``'s dtype."""
+    packed = packed.contiguous()
+    n_blocks, b = packed.shape[0], block_size
+    out = torch.empty((n_blocks, b, b), dtype=packed.dtype, device=packed.device)
+    if n_blocks == 0:
+        return out
+    with _device_ctx(packed):
+        q = _dense_skew(packed, b)
+        if terms == 1:
+            return _cn_step(q, q, q, None, out, b, beta=2.0, gamma=1.0)  # G = Q·Q + 2Q + I
+        h = _cn_step(q, q, q, None, torch.empty_like(q), b, beta=2.0, gamma=2.0)  # H = Q·Q + 2Q + 2I
+        for _ in range(terms - 2):
+            h = _cn_step(h, q, q, None, torch.empty_like(h), b, gamma=2.0)  # H·Q + 2I
+        return _cn_step(h, q, q, None, out, b, gamma=1.0)  # G = H·Q + I
+
+
+def cayley_backward(packed: torch.Tensor, grad_g: torch.Tensor, block_size: int, terms: int) -> torch.Tensor:
+    """``∂L/∂θ`` (``[n_blocks, b(b−1)/2]``, ``packed``'s dtype) from ``Γ = ∂L/∂G``; fp32 products."""
+    packed = packed.contiguous()
+    n_blocks, b, k = packed.shape[0], block_size, terms
+    out = torch.empty_like(packed)
+    if n_blocks == 0:
+        return out
+    with _device_ctx(packed):
+        q = _dense_skew(packed, b)
+        # R_j = Γ·Kʲ (K = Qᵀ = −Q), j = 0..k, stacked
+        r = torch.empty((k + 1, n_blocks, b, b), dtype=torch.float32, device=packed.device)
+        r[0].copy_(grad_g)
+        for j in range(1, k + 1):
+            _cn_step(r[j - 1], q, q, None, r[j], b, sign=-1.0)
+        # Horner on the left: W = R_0 (= c_{k+1}·Γ), W ← V_i − Q·W with V_i = 2·Σ_{j<k−i} R_j + R_{k−i}
+        w = r[0].clone()
+        w_next = torch.empty_like(w)
+        for i in range(k - 1, -1, -1):
+            _cn_step(q, w, q, r, w_next, b, sign=-1.0, nv=k - i + 1)
+            w, w_next = w_next, w
+        rows, cols = _triu_idx(b, packed.device)
+        npk = rows.numel()
+        block = min(1024, _p2(npk))
+        _pack_kernel[(_cdiv(npk, block), n_blocks)](w, rows, cols, out, b, npk, SOFT_BF16=not packed.is_cuda,
+                                                     BLOCK=block, num_warps=4)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _triu_idx(block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = torch.triu_indices(block_size, block_size, offset=1, device=device)
+    return rows.to(torch.int32), cols.to(torch.int32)

@@ -1,0 +1,155 @@
+"""POET-X's Triton kernels on a CUDA GPU at Llama-8B sizes (``pytest -m gpu tests/poetx/test_kernels_gpu.py``).
+
+Block sizes 256 / 512, 4096 and 14336 features, 2048..8192 tokens (odd counts too), bfloat16 activations with float32
+blocks: every kernel output and every gradient of the layer against the PyTorch path (``kernels.ENABLED = False``)
+and a float64 evaluation (kernel error <= 2x the PyTorch path's + a floor of a few output roundings).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu  # without CUDA, tests/conftest.py skips the whole module
+
+pytest.importorskip("triton")
+
+from fastdora.poetx import kernels as K  # noqa: E402
+from fastdora.poetx import ops  # noqa: E402
+from fastdora.poetx.cayley import cayley_neumann, skew_size  # noqa: E402
+from fastdora.poetx.ops import poetx_linear  # noqa: E402
+
+DEV = "cuda"
+BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
+
+
+def _rel(a, ref) -> float:
+    a, ref = a.detach().double(), ref.detach().double()
+    return ((a - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+@contextlib.contextmanager
+def _kernels_off():
+    saved = K.ENABLED
+    K.ENABLED = False
+    try:
+        yield
+    finally:
+        K.ENABLED = saved
+
+
+def _blocks(n_blocks, b, gen):
+    # near-orthogonal float32 blocks: I + a random matrix of norm ~0.3
+    g = torch.eye(b, dtype=F32, device=DEV) + 0.3 * torch.randn(n_blocks, b, b, generator=gen, device=DEV) / b ** 0.5
+    return g
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    """The PyTorch path's float32 products in full float32 (the reference)."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.mark.parametrize("b", [256, 512])
+@pytest.mark.parametrize("n", [2048, 8191])
+def test_rotate(b, n):
+    gen = torch.Generator(DEV).manual_seed(b + n)
+    d = 4096
+    t = torch.randn(n, d, generator=gen, device=DEV).to(BF16)
+    perm = torch.randperm(d, generator=gen, device=DEV)
+    g = _blocks(d // b, b, gen)
+    bias = torch.randn(d, generator=gen, device=DEV).to(BF16)
+    for transpose in (False, True):
+        for bias_ in (None, bias):
+            yk = ops.rotate(t, perm, g, transpose=transpose, bias=bias_)
+            with _kernels_off():
+                ye = ops.rotate(t, perm, g, transpose=transpose, bias=bias_)
+            y64 = ops.rotate(t.double(), perm, g.double(), transpose=transpose,
+                             bias=None if bias_ is None else bias_.double())
+            what = f"transpose={transpose} bias={bias_ is not None}"
+            assert _rel(yk, y64) <= 2 * _rel(ye, y64) + 8e-3, what
+            # one bf16 rounding apart (the blocks' two bf16 parts: 2^-17 relative before the rounding)
+            torch.testing.assert_close(yk.double(), ye.double(), rtol=2 ** -7,
+                                       atol=2 ** -15 * ye.double().abs().max().item(), msg=what)
+
+
+@pytest.mark.parametrize("b", [256, 512])
+@pytest.mark.parametrize("n", [2048, 8191])
+def test_block_outer(b, n):
+    gen = torch.Generator(DEV).manual_seed(b * n)
+    d = 4096
+    a = torch.randn(n, d, generator=gen, device=DEV).to(BF16)
+    c = torch.randn(n, d, generator=gen, device=DEV).to(BF16)
+    perm = torch.randperm(d, generator=gen, device=DEV)
+    g = _blocks(d // b, b, gen)
+    ok = ops.block_outer(a, c, perm, g)
+    with _kernels_off():
+        oe = ops.block_outer(a, c, perm, g)
+    o64 = ops.block_outer(a.double(), c.double(), perm, g.double())
+    assert ok.dtype == F32
+    assert ((ok.double() - oe.double()).abs().max() / oe.double().abs().max()).item() <= 1e-5
+    assert _rel(ok, o64) <= 2 * _rel(oe, o64) + 1e-6
+
+
+@pytest.mark.parametrize("b", [256, 512])
+@pytest.mark.parametrize("terms", [3, 2])
+def test_cayley(b, terms):
+    gen = torch.Generator(DEV).manual_seed(b + terms)
+    n_blocks = 4096 // b
+    packed = torch.randn(n_blocks, skew_size(b), generator=gen, device=DEV) * (0.3 / b ** 0.5)
+    grad_g = torch.randn(n_blocks, b, b, generator=gen, device=DEV)
+
+    def run(p_dtype):
+        p = packed.to(p_dtype).clone().requires_grad_()
+        g = cayley_neumann(p, b, terms)
+        g.backward(grad_g.to(p_dtype))
+        return g, p.grad
+
+    gk, dk = run(F32)
+    with _kernels_off():
+        ge, de = run(F32)
+        g64, d64 = run(F64)
+    for name, k, e, r in (("G", gk, ge, g64), ("grad", dk, de, d64)):
+        ek, ee = _rel(k, r), _rel(e, r)
+        assert ek <= 2 * ee + 1e-6, f"{name}: kernel {ek:.3g} vs PyTorch {ee:.3g}"
+
+
+@pytest.mark.parametrize("mode", ["fast", "mem"])
+@pytest.mark.parametrize("d_in, d_out, b, n", [(4096, 4096, 256, 2048), (4096, 14336, 512, 2048),
+                                               (14336, 4096, 256, 4095)], ids=str)
+def test_layer(d_in, d_out, b, n, mode):
+    gen = torch.Generator(DEV).manual_seed(d_in + d_out + b)
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen, device=DEV) * scale
+
+    x = randn(n, d_in)
+    weight = randn(d_out, d_in, scale=d_in ** -0.5)
+    bias = randn(d_out)
+    q_in = randn(d_in // b, skew_size(b), scale=0.3 / b ** 0.5)
+    q_out = randn(d_out // b, skew_size(b), scale=0.3 / b ** 0.5)
+    perm_in = torch.randperm(d_in, generator=gen, device=DEV)
+    perm_out = torch.randperm(d_out, generator=gen, device=DEV)
+    grad_y = randn(n, d_out)
+
+    def run(dtype, q_dtype):
+        xs, bs, qi, qo = (t.to(dt).clone().requires_grad_() for t, dt in
+                          ((x, dtype), (bias, dtype), (q_in, q_dtype), (q_out, q_dtype)))
+        y = poetx_linear(xs, weight.to(dtype), bs, cayley_neumann(qi, b), cayley_neumann(qo, b), perm_in, perm_out,
+                         mode)
+        y.backward(grad_y.to(dtype))
+        return y, xs.grad, bs.grad, qi.grad, qo.grad
+
+    got = run(BF16, F32)
+    with _kernels_off():
+        ref = run(BF16, F32)
+        exact = run(F64, F64)
+    for name, k, e, r in zip(("output", "grad x", "grad bias", "grad q_in", "grad q_out"), got, ref, exact):
+        assert k.dtype == e.dtype and k.shape == e.shape, name
+        ek, ee = _rel(k, r), _rel(e, r)
+        assert ek <= 2 * ee + 8e-3, f"{name}: kernel rel err {ek:.3g} vs PyTorch {ee:.3g}"

@@ -1,0 +1,357 @@
+"""POET-X's Triton kernels (fastdora.poetx.kernels) on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``).
+
+``TRITON_INTERPRET`` must be set before Triton is imported and other test modules share the pytest process, so this
+module re-runs itself in a subprocess with the variable set: in the parent process it holds the interpreter suite as
+one test (plus the dispatch tests that need no kernel); in the child, the kernel tests below.
+
+Every kernel output and gradient is compared with the PyTorch path (``kernels.ENABLED = False``) and a float64
+evaluation, at float32 / bfloat16 / float16 activations, float32 and half blocks, odd token counts and block sizes 4 to
+32; the whole layer op (fast and mem modes) runs through the kernels against the PyTorch path and the dense fp64
+oracle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fastdora.poetx import kernels as K
+from fastdora.poetx import ops
+from fastdora.poetx.cayley import cayley_neumann, neumann_series, skew_from_packed, skew_size
+from fastdora.poetx.ops import poetx_linear
+
+from . import oracle
+
+_INNER = os.environ.get("TRITON_INTERPRET") == "1"
+
+F32, BF16, F16, F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
+# one rounding of the output dtype (relative), for results the kernel and the PyTorch path both compute in fp32
+ROUND = {F32: 2e-6, BF16: 2 ** -7, F16: 2 ** -10}
+# error floor against float64 (a few output-dtype roundings, relative Frobenius)
+FLOOR = {F32: 1e-6, BF16: 8e-3, F16: 1e-3}
+
+
+def _rel(a, ref) -> float:
+    a, ref = a.detach().double(), ref.detach().double()
+    return ((a - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+@contextlib.contextmanager
+def _kernels_off():
+    saved = K.ENABLED
+    K.ENABLED = False
+    try:
+        yield
+    finally:
+        K.ENABLED = saved
+
+
+@contextlib.contextmanager
+def _counting(*names):
+    """Count the calls of the kernel launchers ``K.<name>`` while the block runs: ``{name: calls}``."""
+    counts = dict.fromkeys(names, 0)
+    saved = {n: getattr(K, n) for n in names}
+
+    def wrap(n):
+        def spy(*args, **kwargs):
+            counts[n] += 1
+            return saved[n](*args, **kwargs)
+        return spy
+
+    for n in names:
+        setattr(K, n, wrap(n))
+    try:
+        yield counts
+    finally:
+        for n, f in saved.items():
+            setattr(K, n, f)
+
+
+def _layer_case(d_in, d_out, b, n_tokens, dtype, q_dtype, seed=0, q_scale=0.2):
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen, dtype=F64) * scale
+
+    return dict(
+        x=randn(n_tokens, d_in).to(dtype),
+        weight=(randn(d_out, d_in) / d_in ** 0.5).to(dtype),
+        bias=randn(d_out).to(dtype),
+        q_in=randn(d_in // b, skew_size(b), scale=q_scale).to(q_dtype),
+        q_out=randn(d_out // b, skew_size(b), scale=q_scale).to(q_dtype),
+        perm_in=torch.randperm(d_in, generator=gen),
+        perm_out=torch.randperm(d_out, generator=gen),
+        grad_y=randn(n_tokens, d_out),
+        b=b,
+    )
+
+
+def _run_layer(case, mode, terms=3):
+    """Output and gradients (x, bias, q_in, q_out) of ``poetx_linear`` on the case."""
+    x = case["x"].clone().requires_grad_()
+    bias = case["bias"].clone().requires_grad_()
+    q_in = case["q_in"].clone().requires_grad_()
+    q_out = case["q_out"].clone().requires_grad_()
+    b = case["b"]
+    y = poetx_linear(x, case["weight"], bias, cayley_neumann(q_in, b, terms), cayley_neumann(q_out, b, terms),
+                     case["perm_in"], case["perm_out"], mode)
+    (y.double() * case["grad_y"]).sum().backward()
+    return y, x.grad, bias.grad, q_in.grad, q_out.grad
+
+
+def _oracle_layer(case, terms=3):
+    x, bias, q_in, q_out = (case[k].detach().double().requires_grad_() for k in ("x", "bias", "q_in", "q_out"))
+    y = oracle.linear(x, case["weight"], bias, q_in, q_out, case["perm_in"], case["perm_out"], case["b"], terms)
+    (y * case["grad_y"]).sum().backward()
+    return y, x.grad, bias.grad, q_in.grad, q_out.grad
+
+
+# ------------------------------------------------------------------------------------------- parent process only
+
+if not _INNER:
+
+    def test_interpreter_suite():
+        pytest.importorskip("triton")
+        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", os.path.abspath(__file__)],
+            env=env, capture_output=True, text=True, timeout=900,
+        )
+        assert proc.returncode == 0, f"interpreter suite failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
+        assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-2000:]
+
+    def test_cpu_tensors_take_the_pytorch_path():
+        """Without the interpreter's opt-in, CPU tensors never reach a kernel (a launch here would fail)."""
+        assert K.DEVICE_TYPES == ("cuda",)
+        case = _layer_case(16, 8, 4, 3, F32, F32)
+        with _counting("rotate", "block_outer", "cayley_forward", "cayley_backward") as calls:
+            _run_layer(case, "fast")
+        assert calls == dict.fromkeys(calls, 0)
+
+    def test_applies():
+        cpu = torch.zeros(2)
+        assert not K.applies(cpu)
+        saved = K.DEVICE_TYPES
+        K.DEVICE_TYPES = ("cpu",)
+        try:
+            assert K.applies(cpu, None, torch.zeros(2, dtype=BF16), torch.zeros(2, dtype=torch.int64)) == K.AVAILABLE
+            assert not K.applies(cpu.double())  # float64: the PyTorch path
+            assert not K.applies(None)
+            with _kernels_off():
+                assert not K.applies(cpu)
+        finally:
+            K.DEVICE_TYPES = saved
+
+# ------------------------------------------------------------------------------------------- the interpreter suite
+
+else:
+    pytest.importorskip("triton")
+    K.DEVICE_TYPES = ("cuda", "cpu")  # CPU tensors run the kernels through the interpreter
+
+    def _blocks(n_blocks, b, dtype, gen):
+        # near-orthogonal blocks of the size a trained layer has: I + a random matrix of norm ~0.3
+        g = torch.eye(b, dtype=F64) + 0.3 * torch.randn(n_blocks, b, b, generator=gen, dtype=F64) / b ** 0.5
+        return g.to(dtype)
+
+    # (activation dtype, block dtype): split products, one half product, float32 products, mixed half dtypes
+    ROTATE_DTYPES = [(F32, F32), (BF16, F32), (F16, F32), (BF16, BF16), (F16, BF16)]
+
+    @pytest.mark.parametrize("act, gdt", ROTATE_DTYPES, ids=lambda v: str(v).replace("torch.", ""))
+    @pytest.mark.parametrize("b, d, n", [(4, 12, 5), (8, 24, 7), (16, 32, 33), (32, 64, 65)], ids=str)
+    def test_rotate(act, gdt, b, d, n):
+        gen = torch.Generator().manual_seed(b * 1000 + d)
+        t = torch.randn(n, d, generator=gen).to(act)
+        perm = torch.randperm(d, generator=gen)
+        g = _blocks(d // b, b, gdt, gen)
+        bias = torch.randn(d, generator=gen).to(act)
+        compute = torch.promote_types(act, gdt)
+        for transpose in (False, True):
+            for bias_ in (None, bias):
+                with _counting("rotate") as calls:
+                    yk = ops.rotate(t, perm, g, transpose=transpose, bias=bias_)
+                assert calls["rotate"] == 1
+                with _kernels_off():
+                    ye = ops.rotate(t, perm, g, transpose=transpose, bias=bias_)
+                y64 = ops.rotate(t.double(), perm, g.double(), transpose=transpose,
+                                 bias=None if bias_ is None else bias_.double())
+                what = f"transpose={transpose} bias={bias_ is not None}"
+                assert yk.dtype == ye.dtype == act and yk.shape == ye.shape, what
+                assert torch.isfinite(yk.double()).all(), what
+                # kernel error vs float64: at most 2x the PyTorch path's, plus a few output roundings
+                assert _rel(yk, y64) <= 2 * _rel(ye, y64) + FLOOR[act], what
+                if compute == F32:  # both in fp32, one rounding: at most one output rounding apart
+                    # atol: cancellation near zero; half activations multiply blocks split into two half parts
+                    # (16 significant bits, 2^-16 relative with the interpreter's truncating cast)
+                    atol = (2 ** -15 if act in (BF16, F16) and gdt == F32 else 4e-7) * ye.double().abs().max().item()
+                    torch.testing.assert_close(yk.double(), ye.double(), rtol=ROUND[act], atol=atol, msg=what)
+
+    def test_rotate_out_dtype_and_strided_rows():
+        """A float32 result from bfloat16 activations (the backward's use) and rows with a stride of their own."""
+        gen = torch.Generator().manual_seed(7)
+        base = torch.randn(9, 40, generator=gen).to(BF16)
+        t = base[:, 4:36]  # row stride 40, 32 features
+        perm = torch.randperm(32, generator=gen)
+        g = _blocks(4, 8, F32, gen)
+        yk = ops.rotate(t, perm, g, out_dtype=F32)
+        with _kernels_off():
+            ye = ops.rotate(t, perm, g, out_dtype=F32)
+        assert yk.dtype == F32
+        # fp32 result: the split products' 16-bit blocks differ from fp32 blocks by ~2^-16 relative
+        assert _rel(yk, ye) <= 3e-5
+
+    @pytest.mark.parametrize("config", [dict(blocks_per_prog="all"), dict(blocks_per_prog=2, block_c=16, block_k=16),
+                                        dict(block_m=16, block_c=32, block_k=16, warps=8)], ids=str)
+    def test_rotate_tile_configurations(config):
+        """Other tilings (several blocks per program, narrower tiles) compute the same values."""
+        gen = torch.Generator().manual_seed(5)
+        t = torch.randn(37, 96, generator=gen).to(BF16)
+        perm = torch.randperm(96, generator=gen)
+        g = _blocks(3, 32, F32, gen)
+        bias = torch.randn(96, generator=gen).to(BF16)
+        for transpose in (False, True):
+            ref = ops.rotate(t, perm, g, transpose=transpose, bias=bias)
+            saved, K.ROTATE_CONFIG = K.ROTATE_CONFIG, config
+            try:
+                got = ops.rotate(t, perm, g, transpose=transpose, bias=bias)
+            finally:
+                K.ROTATE_CONFIG = saved
+            # the same products; the K split may change the fp32 summation order: one bf16 rounding apart
+            torch.testing.assert_close(got.double(), ref.double(), rtol=2 ** -7, atol=1e-5)
+
+    OUTER_DTYPES = [F32, BF16, F16]
+
+    @pytest.mark.parametrize("act", OUTER_DTYPES, ids=lambda v: str(v).replace("torch.", ""))
+    @pytest.mark.parametrize("b, d, n", [(4, 12, 5), (8, 16, 31), (16, 48, 17), (32, 32, 1100)], ids=str)
+    def test_block_outer(act, b, d, n):
+        gen = torch.Generator().manual_seed(b * 100 + n)
+        a = torch.randn(n, d, generator=gen).to(act)
+        c = torch.randn(n, d, generator=gen).to(act)
+        perm = torch.randperm(d, generator=gen)
+        g = _blocks(d // b, b, F32, gen)
+        with _counting("block_outer") as calls:
+            ok = ops.block_outer(a, c, perm, g)
+        assert calls["block_outer"] == 1
+        with _kernels_off():
+            oe = ops.block_outer(a, c, perm, g)
+        o64 = ops.block_outer(a.double(), c.double(), perm, g.double())
+        assert ok.dtype == oe.dtype == F32 and ok.shape == oe.shape
+        # sums over tokens in another (fixed) order: relative to the largest magnitude
+        scale = oe.double().abs().max()
+        assert ((ok.double() - oe.double()).abs().max() / scale).item() <= 1e-5
+        assert _rel(ok, o64) <= 2 * _rel(oe, o64) + 1e-6
+
+    def test_block_outer_token_split_and_half_blocks():
+        """Many tokens on few tiles: the tokens split over programs (fp32 partial sums); bfloat16 blocks: one
+        rounding of the fp32 sum."""
+        gen = torch.Generator().manual_seed(3)
+        n, d, b = 1500, 32, 16
+        a = torch.randn(n, d, generator=gen).to(BF16)
+        c = torch.randn(n, d, generator=gen).to(BF16)
+        perm = torch.randperm(d, generator=gen)
+        for gdt in (F32, BF16):
+            g = _blocks(d // b, b, gdt, gen)
+            launches = []
+            real = K._outer_kernel
+
+            class _Spy:
+                def __getitem__(self, grid):
+                    launches.append(grid)
+                    return real[grid]
+
+            K._outer_kernel = _Spy()
+            try:
+                ok = ops.block_outer(a, c, perm, g)
+            finally:
+                K._outer_kernel = real
+            assert launches and launches[0][1] > 1, launches  # the token split ran
+            exact = ops.block_outer(a.double(), c.double(), perm, g.double())
+            assert ok.dtype == gdt
+            if gdt == F32:
+                assert _rel(ok, exact) <= 1e-6
+            else:
+                torch.testing.assert_close(ok.double(), exact.to(BF16).double(), rtol=2 ** -7, atol=0)
+
+    @pytest.mark.parametrize("qdt", [F32, BF16, F16], ids=lambda v: str(v).replace("torch.", ""))
+    @pytest.mark.parametrize("b, n_blocks, terms", [(4, 3, 3), (8, 2, 1), (16, 2, 2), (32, 2, 3), (8, 3, 4),
+                                                    (5, 2, 3)], ids=str)
+    def test_cayley_forward_backward(qdt, b, n_blocks, terms):
+        gen = torch.Generator().manual_seed(b + terms)
+        packed = (torch.randn(n_blocks, skew_size(b), generator=gen, dtype=F64) * 0.3 / b ** 0.5).to(qdt)
+        grad_g = torch.randn(n_blocks, b, b, generator=gen, dtype=F64).to(qdt)
+
+        def run():
+            p = packed.clone().requires_grad_()
+            g = cayley_neumann(p, b, terms)
+            g.backward(grad_g)
+            return g, p.grad
+
+        with _counting("cayley_forward", "cayley_backward") as calls:
+            gk, dk = run()
+        assert calls == {"cayley_forward": 1, "cayley_backward": 1}
+        with _kernels_off():
+            ge, de = run()
+        p64 = packed.double().requires_grad_()
+        g64 = oracle.series(oracle.skew(p64, b), terms)
+        g64.backward(grad_g.double())
+        assert gk.dtype == dk.dtype == qdt and gk.shape == ge.shape and dk.shape == de.shape
+        # fp32 products, one rounding: against float64 within a few roundings of qdt, and never worse than 2x the
+        # PyTorch path (which, for half Q, computes in the half dtype)
+        floor = {F32: 1e-6, BF16: 8e-3, F16: 1e-3}[qdt]
+        for name, k, e, r in (("G", gk, ge, g64), ("grad", dk, de, p64.grad)):
+            ek, ee = _rel(k, r), _rel(e, r)
+            assert ek <= 2 * ee + floor, f"{name}: kernel {ek:.3g} vs PyTorch {ee:.3g}"
+            if qdt == F32:
+                assert ek <= 1e-6, f"{name}: {ek:.3g}"
+
+    def test_cayley_backward_is_the_adjoint():
+        """⟨Γ, dG(δθ)⟩ = ⟨∂L/∂θ, δθ⟩ for a directional derivative of the float64 series."""
+        gen = torch.Generator().manual_seed(11)
+        b, nb, terms = 8, 2, 3
+        packed = torch.randn(nb, skew_size(b), generator=gen) * 0.2
+        direction = torch.randn(nb, skew_size(b), generator=gen, dtype=F64)
+        grad_g = torch.randn(nb, b, b, generator=gen)
+        grad = K.cayley_backward(packed, grad_g, b, terms).double()
+        p64 = packed.double()
+        _, tangent = torch.func.jvp(lambda p: neumann_series(skew_from_packed(p, b), terms), (p64,), (direction,))
+        lhs = (grad_g.double() * tangent).sum()
+        rhs = (grad * direction).sum()
+        assert abs((lhs - rhs) / lhs).item() <= 1e-6
+
+    LAYER_DTYPES = [(F32, F32), (BF16, F32), (F16, F32)]
+    REL_ORACLE = {F32: 1e-6, BF16: 1e-2, F16: 2e-3}
+
+    @pytest.mark.parametrize("mode", ["fast", "mem"])
+    @pytest.mark.parametrize("dtype, qdt", LAYER_DTYPES, ids=lambda v: str(v).replace("torch.", ""))
+    @pytest.mark.parametrize("d_in, d_out, b, n", [(32, 16, 8, 13), (16, 48, 16, 7), (12, 8, 4, 9)], ids=str)
+    def test_layer_through_the_kernels(d_in, d_out, b, n, dtype, qdt, mode):
+        case = _layer_case(d_in, d_out, b, n, dtype, qdt)
+        with _counting("rotate", "block_outer", "cayley_forward", "cayley_backward") as calls:
+            got = _run_layer(case, mode)
+        # forward: 2 rotations, 2 block builds; backward: 2 rotations (mem: 1 more, the recomputed GEMM input), 2 block
+        # gradients, 2 block backwards
+        expected = {"rotate": 4 + (mode == "mem"), "block_outer": 2, "cayley_forward": 2, "cayley_backward": 2}
+        assert calls == expected, calls
+        with _kernels_off():
+            ref = _run_layer(case, mode)
+        exact = _oracle_layer(case)
+        names = ("output", "grad x", "grad bias", "grad q_in", "grad q_out")
+        for name, k, e, r in zip(names, got, ref, exact):
+            assert k.dtype == e.dtype and k.shape == e.shape, name
+            ek, ee = _rel(k, r), _rel(e, r)
+            assert ek <= REL_ORACLE[dtype], f"{name}: kernel rel err {ek:.3g} vs the oracle"
+            assert ek <= 2 * ee + FLOOR[dtype], f"{name}: kernel {ek:.3g} vs PyTorch {ee:.3g}"
+
+    def test_layer_terms_and_modes_agree():
+        """Other term counts through the kernels against the oracle; fast and mem modes give identical results."""
+        case = _layer_case(16, 16, 8, 5, F32, F32, seed=4)
+        for terms in (1, 2, 4):
+            got, exact = _run_layer(case, "fast", terms), _oracle_layer(case, terms)
+            for k, r in zip(got, exact):
+                assert _rel(k, r) <= 1e-6
+        for a, c in zip(_run_layer(case, "fast"), _run_layer(case, "mem")):
+            assert torch.equal(a, c)
