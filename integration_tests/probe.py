@@ -3,7 +3,9 @@ process, saves the trained model's logits on the probe text and what fastdora di
 
 Files written into ``args.output_dir`` (main process only):
 - ``probe_logits.pt``: logits of the trained model (eval mode, no grad) on ``_tiny.PROBE_TEXT``;
-- ``probe_meta.json``: {"fastdora_imported", "path_counter_total", "converted_layers", "pid", "world_size"}.
+- ``probe_meta.json``: {"fastdora_imported", "path_counter_total", "converted_layers", "pid", "world_size",
+  "init_adapter_sha256", "init_adapter_tensors"} (the last two: a checksum of the adapter's parameters at train begin,
+  so that two runs can be shown to start from the same adapter; None where the parameters are sharded).
 
 The tokenizer is loaded from the directory in the environment variable ``FASTDORA_PROBE_TOKENIZER``.
 """
@@ -43,9 +45,38 @@ def fastdora_state(model=None) -> dict:
     return {"fastdora_imported": imported, "path_counter_total": total, "converted_layers": converted}
 
 
+def adapter_checksum(model) -> tuple:
+    """(sha256 of every ``lora_*`` parameter's bytes, in name order; their number), or (None, 0) when a parameter is
+    not a plain local tensor (sharded engines)."""
+    import hashlib
+
+    import torch
+
+    h, n = hashlib.sha256(), 0
+    for name, p in sorted(model.named_parameters()):
+        if "lora_" not in name:
+            continue
+        try:
+            t = p.detach().to("cpu", copy=True)
+        except Exception:  # a parameter on the meta device, or a wrapper that cannot be copied
+            return None, 0
+        if type(t) is not torch.Tensor:  # a DTensor (FSDP2): only a shard is local
+            return None, 0
+        h.update(name.encode())
+        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        n += 1
+    return h.hexdigest(), n
+
+
 class ProbeCallback(TrainerCallback):
     def __init__(self, tokenizer_dir: str | None = None):
         self.tokenizer_dir = tokenizer_dir or os.environ["FASTDORA_PROBE_TOKENIZER"]
+        self.init_checksum = (None, 0)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is not None and getattr(args, "process_index", 0) == 0:
+            self.init_checksum = adapter_checksum(_unwrap(model))
+        return control
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         # diagnostics: per-parameter gradient norms of the first step
@@ -73,7 +104,8 @@ class ProbeCallback(TrainerCallback):
         model.train(was_training)
         os.makedirs(args.output_dir, exist_ok=True)
         torch.save(logits, os.path.join(args.output_dir, "probe_logits.pt"))
-        meta.update(pid=os.getpid(), world_size=int(getattr(args, "world_size", 1)))
+        meta.update(pid=os.getpid(), world_size=int(getattr(args, "world_size", 1)),
+                    init_adapter_sha256=self.init_checksum[0], init_adapter_tensors=self.init_checksum[1])
         with open(os.path.join(args.output_dir, "probe_meta.json"), "w", encoding="utf-8") as f:
             json.dump(meta, f)
         return control

@@ -1,25 +1,32 @@
 #!/usr/bin/env bash
 # End-to-end tests of the trainer plugins, one virtual environment per framework (their pins conflict).
 #
-#   integration_tests/run_all.sh                 # all: hf (HF Trainer + TRL SFT/DPO), axolotl, llamafactory
+#   integration_tests/run_all.sh                 # all: hf (HF Trainer + TRL SFT/DPO), axolotl, axolotl021, llamafactory
 #   FASTDORA_IT_ONLY="hf llamafactory" integration_tests/run_all.sh
+#   integration_tests/run_all.sh --venvs-only    # build (or find cached) the venvs, run no test
 #
 # Environment:
-#   FASTDORA_IT_VENVS   where the venvs are created and cached (default: <repo>/.work/venvs; git-ignored). A venv is
-#                       reused while its requirements file is unchanged (stamp file); delete it to rebuild.
-#   FASTDORA_IT_WORK    scratch directory for models, runs and logs (default: <repo>/.work/it; wiped per test)
-#   FASTDORA_IT_ONLY    subset of: hf axolotl llamafactory (default: all three)
+#   FASTDORA_IT_VENVS   where the venvs are created and cached (default: $FASTDORA_WORK/venvs, FASTDORA_WORK defaulting
+#                       to <repo>/.work, git-ignored). A venv is reused while its requirements file and this script are
+#                       unchanged (stamp file); delete it to rebuild.
+#   FASTDORA_IT_WORK    scratch directory for models, runs and logs (default: $FASTDORA_WORK/it; wiped per test)
+#   FASTDORA_IT_ONLY    subset of: hf axolotl axolotl021 llamafactory (default: all four); axolotl is Axolotl 0.19
+#                       (Python 3.11), axolotl021 Axolotl 0.21 (Python 3.12)
 #   FASTDORA_IT_PLUGIN_OPTIONS  JSON dict of fastdora options given to every plugin (default {}: core defaults)
 #   FASTDORA_IT_PYTHON  Python 3.11 interpreter (default: python3.11, else python3); torch==2.13.0 is the local wheel
+#   FASTDORA_IT_PYTHON312  Python 3.12 interpreter for axolotl021 (default: python3.12, else pyenv's newest 3.12);
+#                       its torch==2.13.0 comes from PyPI (the CUDA build: no CPU build of torch is on PyPI)
 #   FASTDORA_IT_SKIP_TORCHRUN=1  skip LLaMA-Factory's 2-process torchrun run
 #
 # Prints the wall time of every venv build and every test, and exits non-zero on the first failure.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENVS="${FASTDORA_IT_VENVS:-$REPO/.work/venvs}"
-WORK="${FASTDORA_IT_WORK:-$REPO/.work/it}"
-ONLY="${FASTDORA_IT_ONLY:-hf axolotl llamafactory}"
+VENVS="${FASTDORA_IT_VENVS:-${FASTDORA_WORK:-$REPO/.work}/venvs}"
+WORK="${FASTDORA_IT_WORK:-${FASTDORA_WORK:-$REPO/.work}/it}"
+ONLY="${FASTDORA_IT_ONLY:-hf axolotl axolotl021 llamafactory}"
+VENVS_ONLY=0
+[[ "${1:-}" == --venvs-only ]] && VENVS_ONLY=1
 OPTIONS="${FASTDORA_IT_PLUGIN_OPTIONS:-}"
 [[ -n "$OPTIONS" ]] || OPTIONS='{}'
 PY="${FASTDORA_IT_PYTHON:-$(command -v python3.11 || command -v python3)}"
@@ -31,9 +38,20 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off HF_HUB_OFFLINE=1 HF_
 ts() { date -u +%H:%M:%S; }
 declare -A TIMES
 
-pip_q() {  # quiet pip; the log keeps everything, the tail is shown on failure
+python312() {  # a Python 3.12 interpreter that runs (a pyenv shim may exist without the version being selected)
+  local c
+  for c in "${FASTDORA_IT_PYTHON312:-}" python3.12 "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12 \
+           "$HOME"/.pyenv/versions/3.12*/bin/python3.12; do
+    [[ -n "$c" ]] && "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { echo "$c"; return; }
+  done
+  echo "no Python 3.12 interpreter found (Axolotl >= 0.20 needs one): set FASTDORA_IT_PYTHON312" >&2
+  return 1
+}
+
+pip_q() {  # quiet pip; the log keeps everything, the tail is shown on failure. No bytecode compilation at install
+  # (it costs CPU while other work runs; the tests compile only the modules they import)
   local venv="$1"; shift
-  if ! "$venv/bin/pip" install --quiet "$@" >>"$venv.install.log" 2>&1; then
+  if ! "$venv/bin/pip" install --quiet --no-compile "$@" >>"$venv.install.log" 2>&1; then
     grep -v "^WARNING: Location" "$venv.install.log" | tail -40; return 1
   fi
 }
@@ -45,11 +63,17 @@ build_venv() {  # build_venv NAME: creates $VENVS/NAME unless its stamp matches 
     echo "[$(ts)] venv $name: cached ($venv)"; return 0
   fi
   rm -rf "$venv" "$venv.install.log"
-  "$PY" -m venv "$venv"
+  case "$name" in
+    axolotl021) "$(python312)" -m venv "$venv" ;;
+    *) "$PY" -m venv "$venv" ;;
+  esac
   case "$name" in
     axolotl)
       pip_q "$venv" --no-deps axolotl==0.19.0
       pip_q "$venv" -r "$REQ/axolotl.txt" ;;
+    axolotl021)
+      pip_q "$venv" --no-deps axolotl==0.21.0
+      pip_q "$venv" -r "$REQ/axolotl021.txt" ;;
     llamafactory)
       pip_q "$venv" -r "$REQ/llamafactory.txt"
       "$venv/bin/pip" uninstall --quiet -y torchvision >>"$venv.install.log" 2>&1 || true
@@ -69,21 +93,26 @@ install_fastdora() {  # editable and without dependencies: the venv's pins stay 
   fi
 }
 
+declare -A TEST=( [hf]=test_hf_trl.py [axolotl]=test_axolotl.py [axolotl021]=test_axolotl.py
+                  [llamafactory]=test_llamafactory.py )
+
 # 1. venvs, built in parallel (network and disk bound)
 t0=$(date +%s)
 pids=()
 for name in $ONLY; do
-  [[ "$name" == hf || "$name" == axolotl || "$name" == llamafactory ]] || { echo "unknown framework $name"; exit 2; }
+  [[ -n "${TEST[$name]:-}" ]] || { echo "unknown framework $name"; exit 2; }
   ( s=$(date +%s); build_venv "$name"; install_fastdora "$name"
-    echo "[$(ts)] venv $name ready in $(( $(date +%s) - s ))s" ) &
+    echo "[$(ts)] venv $name ready in $(( $(date +%s) - s ))s ($(du -sh "$VENVS/$name" | cut -f1))" ) &
   pids+=($!)
 done
-for pid in "${pids[@]}"; do wait "$pid"; done
+failed=0
+for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
 TIMES[venvs]=$(( $(date +%s) - t0 ))
+[[ $failed == 0 ]] || { echo "[$(ts)] a venv build failed (logs: $VENVS/*.install.log)" >&2; exit 1; }
 echo "[$(ts)] all venvs ready in ${TIMES[venvs]}s"
+[[ $VENVS_ONLY == 1 ]] && exit 0
 
 # 2. tests, one after another (2 cores)
-declare -A TEST=( [hf]=test_hf_trl.py [axolotl]=test_axolotl.py [llamafactory]=test_llamafactory.py )
 for name in $ONLY; do
   s=$(date +%s)
   rm -rf "$WORK/$name"

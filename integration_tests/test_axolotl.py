@@ -1,5 +1,6 @@
-"""End-to-end: ``axolotl train cfg.yaml`` (Axolotl 0.19, its default accelerate launcher: training runs in a child
-process) with ``plugins: [fastdora.plugins.axolotl.FastDoraPlugin]``. Run inside the axolotl venv.
+"""End-to-end: ``axolotl train cfg.yaml`` (Axolotl 0.19 on Python 3.11, or 0.21 on Python 3.12; its default
+accelerate launcher: training runs in a child process) with ``plugins: [fastdora.plugins.axolotl.FastDoraPlugin]``.
+Run inside an Axolotl venv.
 
 usage: python test_axolotl.py WORK_DIR [--plugin-options JSON]
 
@@ -7,6 +8,10 @@ Two runs, same seed, DoRA on all linear layers, gradient checkpointing, fp32 on 
 - fastdora: the plugin listed, Axolotl's ``lora_*_kernel`` keys left unset (Axolotl auto-enables its fused LoRA
   kernels for LoRA adapters; the plugin must switch them off for DoRA and say so in the log);
 - stock: no fastdora plugin, ``lora_*_kernel: false`` (stock PEFT DoRA is the reference).
+Both runs must start from the same adapter. Axolotl < 0.21 does not seed the adapter's initialisation, so there both
+start from one saved, seeded DoRA adapter (``lora_model_dir``, non-zero ``lora_B``); Axolotl 0.21 calls
+``set_seed(cfg.seed)`` right before ``get_peft_model`` (``loaders/adapter.py``), so there both initialise their own
+adapter, and the test checks that the two initial adapters are bit-identical (the probe's checksum at train begin).
 Asserts: fastdora_report.json with counter > 0 (written in the training process), the plugin's log line about the
 kernels, its one ``fastdora: on, converted ...`` line and no warning about foreign instance-level forwards (fastdora's
 own lean forward is not one), losses equal within LOSS_ATOL, the saved adapter in stock PEFT (fresh process) gives the
@@ -17,6 +22,7 @@ misspelled ``fast_dora_kernal`` key must fail at config load, naming the key.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import shutil
@@ -31,6 +37,8 @@ from common import (  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 KERNEL_KEYS = ("lora_qkv_kernel", "lora_o_kernel", "lora_mlp_kernel", "lora_embedding_kernel")
+#: the first Axolotl release that seeds the adapter's initialisation (``set_seed`` before ``get_peft_model``)
+SEEDED_INIT_SINCE = (0, 21)
 OPTION_KEYS = {"kernels": "fast_dora_kernels", "legacy_embedding_compose": "fast_dora_legacy_embedding_compose",
                "dm_from_output": "fast_dora_dm_from_output"}
 
@@ -53,8 +61,10 @@ def config(paths: dict, out: str, prepared: str, fastdora: bool, options: dict) 
         "lora_alpha: 16",
         "lora_dropout: 0.0",
         "lora_target_modules: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]",
-        # Axolotl does not seed the adapter's initialisation: both runs start from the same saved DoRA adapter
-        f"lora_model_dir: {paths['init_adapter']}",
+    ]
+    if paths.get("init_adapter"):  # Axolotl < 0.21 does not seed the adapter's initialisation
+        lines.append(f"lora_model_dir: {paths['init_adapter']}")
+    lines += [
         "peft_use_dora: true",
         "micro_batch_size: 4",
         "gradient_accumulation_steps: 1",
@@ -107,7 +117,12 @@ def main() -> None:
     a = p.parse_args()
     os.makedirs(a.work, exist_ok=True)
     paths = tiny(a.work)
-    paths["init_adapter"] = make_init_adapter(paths["model"], os.path.join(a.work, "init_adapter"), TARGETS)
+    version = importlib.metadata.version("axolotl")
+    seeded = tuple(int(x) for x in version.split(".")[:2]) >= SEEDED_INIT_SINCE
+    if not seeded:
+        paths["init_adapter"] = make_init_adapter(paths["model"], os.path.join(a.work, "init_adapter"), TARGETS)
+    log(f"Axolotl {version}: both runs start from "
+        + ("Axolotl's own seeded adapter initialisation" if seeded else "one saved, seeded DoRA adapter"))
     options = json.loads(a.plugin_options)
     bindir = os.path.dirname(sys.executable)
     env = {
@@ -147,6 +162,11 @@ def main() -> None:
         meta_stock = json.load(f)
     assert not meta_stock["fastdora_imported"] and meta_stock["converted_layers"] == 0, meta_stock
     log(f"{what}: without the plugin (training process): {meta_stock}")
+    assert meta_fast["init_adapter_tensors"] > 0, meta_fast
+    assert meta_fast["init_adapter_sha256"] == meta_stock["init_adapter_sha256"], \
+        f"{what}: the two runs started from different adapters: {meta_fast} vs {meta_stock}"
+    log(f"{what}: both runs started from the same adapter ({meta_fast['init_adapter_tensors']} tensors, sha256 "
+        f"{meta_fast['init_adapter_sha256'][:16]}...)")
     fl = losses_from_state(find_trainer_state(out))
     sl = losses_from_state(find_trainer_state(sout))
     loss_diff = check_losses(fl, sl, what)
@@ -156,7 +176,8 @@ def main() -> None:
     check_misspelled_key(paths, a.work, env, bindir, options)
     write_summary(a.work, "axolotl", {"loss_max_abs_diff": loss_diff, "logits_max_abs_diff": logit_diff,
                                       "path_counter": rep["active_path_counter"],
-                                      "fastdora_layers": rep["fastdora_layers"],
+                                      "fastdora_layers": rep["fastdora_layers"], "axolotl": version,
+                                      "seeded_init": seeded,
                                       "seconds": {k: round(v, 1) for k, v in times.items()}})
     log("PASS: Axolotl")
 

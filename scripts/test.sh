@@ -19,14 +19,29 @@ mkdir -p "$WORK"
 t0=$(date +%s)
 say() { printf '\n==== [%4ss] %s\n' "$(( $(date +%s) - t0 ))" "$*"; }
 
-# Disk preflight: a full run builds ~11 GB of virtual environments under $WORK (test venv ~2.7 GB, framework
-# venvs ~6.7 GB, example venv ~1.5 GB); a full disk otherwise shows up minutes later as a pip OSError mid-suite.
-need_gb=${FASTDORA_TEST_MIN_FREE_GB:-$([ "${FASTDORA_TEST_QUICK:-0}" = 1 ] && echo 4 || echo 14)}
+# Disk preflight: a full run builds ~17 GB of virtual environments under $WORK (test venv ~2.7 GB, framework
+# venvs ~12.5 GB of which Axolotl 0.21's ~5.8 GB, example venv ~1.5 GB); a full disk otherwise shows up minutes later
+# as a pip OSError mid-suite.
+need_gb=${FASTDORA_TEST_MIN_FREE_GB:-$([ "${FASTDORA_TEST_QUICK:-0}" = 1 ] && echo 4 || echo 20)}
 free_gb=$(( $(df -Pk "$WORK" | awk 'NR==2 {print $4}') / 1048576 ))
 if [ "$free_gb" -lt "$need_gb" ]; then
   echo "fastdora tests: only ${free_gb} GB free under $WORK; the run needs about ${need_gb} GB" \
        "(venvs are cached there; free space or set FASTDORA_WORK to a larger disk)" >&2
   exit 1
+fi
+
+# The framework venvs of the integration tests are built in the background from the start (pip is network and disk
+# bound, the tests below CPU bound; the tests install without bytecode compilation), in their own process group, and
+# joined before the integration tests: a failed build fails the run there, with its log.
+IT_PID=""
+IT_LOG="$WORK/it_venvs.log"
+if [ "${FASTDORA_TEST_QUICK:-0}" != 1 ] && [ -f "$ROOT/integration_tests/run_all.sh" ]; then
+  set -m
+  FASTDORA_WORK="$WORK" bash "$ROOT/integration_tests/run_all.sh" --venvs-only > "$IT_LOG" 2>&1 &
+  IT_PID=$!
+  set +m
+  trap '[ -z "$IT_PID" ] || kill -- -"$IT_PID" 2>/dev/null || true' EXIT
+  echo "framework venvs: building in the background (pid $IT_PID, log $IT_LOG)"
 fi
 
 make_venv() {  # make_venv DIR PEFT_VERSION TRANSFORMERS_SPEC EXTRA...
@@ -109,6 +124,14 @@ say "PEFT $PEFT_OLDEST's own DoRA tests with fastdora enabled process-wide"
 run_peft_dora_tests "$VENV" "$PEFT_OLDEST"
 
 if [ -f "$ROOT/integration_tests/run_all.sh" ]; then
+  say "framework venvs (started in the background at $(date -u -d @"$t0" +%H:%M:%S) UTC)"
+  if ! wait "$IT_PID"; then
+    cat "$IT_LOG" >&2
+    echo "building the framework venvs failed (log above: $IT_LOG; pip logs: $WORK/venvs/*.install.log)" >&2
+    exit 1
+  fi
+  IT_PID=""
+  cat "$IT_LOG"
   say "framework integration tests (each framework in its own venv)"
   FASTDORA_WORK="$WORK" bash "$ROOT/integration_tests/run_all.sh"
 fi
