@@ -87,13 +87,18 @@ def run_worker(a) -> None:
             logits = model(input_ids=ids, logits_to_keep=keep, use_cache=False).logits
         return F.cross_entropy(logits[0, :-1].float(), ids[0, -a.loss_tokens:])
 
+    # CUDA graph trees (mode="reduce-overhead") reuse their outputs' memory at the next replay: mark each step
+    mark = (torch.compiler.cudagraph_mark_step_begin if a.mode == "reduce-overhead" else (lambda: None))
+
     def grad_iter():
         for ids in micro:
+            mark()
             (loss_of(ids) / len(micro)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     def infer():
+        mark()
         with torch.no_grad(), ctx():
             return model(input_ids=micro[0], logits_to_keep=1, use_cache=False).logits
 
@@ -178,10 +183,11 @@ def run_parent(a) -> None:
             p = subprocess.Popen(worker_cmd(c, a, res), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  stderr=open(os.path.join(a.out, f"cfg{i:02d}.log"), "w"), text=True, cwd=REPO)
             batch.append((c, p, res))
-        for c, p, res in batch:  # one at a time: the others wait (built, compiled, warmed up) for "go"
-            line = p.stdout.readline().strip()
+        # every process of the batch compiles and warms up first (CPU-heavy); then one at a time runs its timed part
+        ready = [p.stdout.readline().strip() == "READY" for _, p, _ in batch]
+        for (c, p, res), line_ready in zip(batch, ready):
             rec, err = None, None
-            if line == "READY":
+            if line_ready:
                 p.stdin.write("go\n")
                 p.stdin.flush()
                 try:

@@ -7,6 +7,8 @@
 #   bash benchmarks/run_h200.sh train     training equivalence: train_equivalence.py, seeds 0 and 1, 1000 steps, the
 #                                         four runs at once on the GPU (~300 s)
 #   bash benchmarks/run_h200.sh kernels   kernel microbenchmarks: kernels_bench.py, default sections (~80 s)
+#   bash benchmarks/run_h200.sh compile   DoRA under torch.compile: compile_bench.py (r=384 / r=16, AMP / pure bf16,
+#                                         LoRA / PEFT DoRA / fastdora compiled, reduce-overhead at r=384; ~300 s)
 #   bash benchmarks/run_h200.sh suite     the whole GPU test suite: pytest tests -m gpu (~350 s)
 #
 # Results go to $OUT (default benchmarks/results/<name>_h200_<UTC date>/): JSON, markdown table, plot and log; the
@@ -22,8 +24,9 @@ case "$cmd" in
   harness) name=model_bench ;;
   train) name=train_equivalence ;;
   kernels) name=kernels ;;
+  compile) name=compile_bench ;;
   suite) name=gpu_tests ;;
-  *) echo "usage: bash benchmarks/run_h200.sh harness|train|kernels|suite" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_h200.sh harness|train|kernels|compile|suite" >&2; exit 2 ;;
 esac
 [ -n "${OUT:-}" ] && OUT=$(realpath -m "$OUT")
 cd "$(dirname "$0")/.."
@@ -67,6 +70,12 @@ case "$cmd" in
     $PY benchmarks/kernels_bench.py --out "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1
     grep -v -i "warn" "$OUT/kernels.log" | tail -80
     step kernels
+    ;;
+  compile)
+    timeout ${COMPILE_S:-330} $PY benchmarks/compile_bench.py --out "$OUT" --budget-s $(( ${COMPILE_S:-330} - 120 )) \
+      > "$OUT/compile_bench.log" 2>&1
+    grep "^\[\|MISS\|PASS" "$OUT/compile_bench.log" | tail -60
+    step compile
     ;;
   suite)
     timeout "${SUITE_S:-560}" $PY -m pytest tests -m gpu -q -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1

@@ -250,7 +250,13 @@ def _gpu_llama():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+@pytest.mark.parametrize("mode", [
+    "default",
+    pytest.param("reduce-overhead", marks=pytest.mark.xfail(
+        strict=True, raises=RuntimeError,
+        reason="known limitation: a norm the cache keeps is allocated inside the CUDA-graph pool while CUDA graph "
+               "trees warm up, which they refuse ('tensor(s) in the cudagraph pool not tracked as outputs')")),
+])
 @pytest.mark.parametrize("setup", ["amp", "bf16"])
 def test_gpu_compiled_training_and_stale_norm(mode, setup):
     """On CUDA with Inductor (Triton norm and composition inside the compiled graph): training losses equal eager
