@@ -188,6 +188,7 @@ def run_ops(device: str, tiny: bool) -> list:
         rows.append(dict(op=op, tokens=n, d=d, block=b, variant=variant, ms=ms))
         print(f"{op:<16} tokens {n:<5} d {d} b={b:<4} {variant:<40} {ms:9.3f} ms", flush=True)
 
+    poetx_kernels.BLOCK_OUTER = True  # each operation's kernel against PyTorch, the block-gradient kernel included
     for b in (TINY["blocks"] if tiny else BLOCKS):
         packed = torch.randn(d // b, skew_size(b), device=device) * (0.3 / b ** 0.5)
         g = cayley_neumann(packed, b).detach()

@@ -103,7 +103,7 @@ def block_outer(a: torch.Tensor, b: torch.Tensor, perm: torch.Tensor, blocks: to
     """``[k, c, j] = Σ_rows gather(a)[row, k·b + c]·gather(b)[row, k·b + j]``: the gradient of the blocks of a
     :func:`rotate` (``a`` its output gradient, ``b`` its input), accumulated in at least float32, in ``blocks``' dtype.
     """
-    if _use_kernels(a, b, blocks, perm):
+    if _kernels.BLOCK_OUTER and _use_kernels(a, b, blocks, perm):
         return _kernels.block_outer(a, b, perm, blocks)
     n_blocks, size = blocks.shape[0], blocks.shape[-1]
     compute = functools.reduce(torch.promote_types, (a.dtype, b.dtype, blocks.dtype, torch.float32))

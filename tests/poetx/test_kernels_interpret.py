@@ -152,6 +152,7 @@ if not _INNER:
 else:
     pytest.importorskip("triton")
     K.DEVICE_TYPES = ("cuda", "cpu")  # CPU tensors run the kernels through the interpreter
+    K.BLOCK_OUTER = True  # the block-gradient kernel too (off by default: slower than PyTorch on the H200)
 
     def _blocks(n_blocks, b, dtype, gen):
         # near-orthogonal blocks of the size a trained layer has: I + a random matrix of norm ~0.3
