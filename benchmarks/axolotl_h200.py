@@ -3,6 +3,7 @@ then collects the three runs into one JSON and a markdown table.
 
     python benchmarks/axolotl_h200.py prepare WORK [--tiny]  # WORK/model, WORK/data, WORK/<run>.yaml for each run
     python benchmarks/axolotl_h200.py collect WORK OUT        # OUT/axolotl_h200.{json,md}
+    python benchmarks/axolotl_h200.py slim-bnb DIR CUDA       # DIR's bitsandbytes wheel keeps the CUDA and CPU library
 
 The three runs share one config and differ only in:
 - ``fastdora``: ``plugins: [fastdora.plugins.axolotl.FastDoraPlugin]`` (which switches Axolotl's LoRA kernels off);
@@ -233,6 +234,30 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def slim_bitsandbytes(wheel_dir: str, cuda: str) -> None:
+    """Rewrite the bitsandbytes wheel in ``wheel_dir`` without the libraries of other CUDA / ROCm / XPU versions
+    (their files and RECORD lines), so that the wheel set fits one carry to the GPU machine."""
+    import glob
+    import re
+    import zipfile
+
+    src = glob.glob(os.path.join(wheel_dir, "bitsandbytes-*.whl"))
+    if len(src) != 1:
+        raise SystemExit(f"expected one bitsandbytes wheel in {wheel_dir}, found {src}")
+    drop = re.compile(r"libbitsandbytes_(?!cpu\.|cuda%s\.)\w+\.so" % re.escape(cuda))
+    tmp = src[0] + ".tmp"
+    with zipfile.ZipFile(src[0]) as zin, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zout:
+        kept = [i for i in zin.infolist() if not drop.search(i.filename)]
+        if not any(f"cuda{cuda}." in i.filename for i in kept):
+            raise SystemExit(f"the bitsandbytes wheel has no library for CUDA {cuda}")
+        for item in kept:
+            data = zin.read(item)
+            if item.filename.endswith(".dist-info/RECORD"):
+                data = "".join(line for line in data.decode().splitlines(True) if not drop.search(line)).encode()
+            zout.writestr(item, data)
+    os.replace(tmp, src[0])
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -242,11 +267,16 @@ def main() -> None:
     pc = sub.add_parser("collect")
     pc.add_argument("work")
     pc.add_argument("out")
+    ps = sub.add_parser("slim-bnb")
+    ps.add_argument("dir")
+    ps.add_argument("cuda")
     a = p.parse_args()
     if a.cmd == "prepare":
         prepare(a.work, a.tiny)
-    else:
+    elif a.cmd == "collect":
         collect(a.work, a.out)
+    else:
+        slim_bitsandbytes(a.dir, a.cuda)
 
 
 if __name__ == "__main__":

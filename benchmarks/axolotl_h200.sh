@@ -7,11 +7,10 @@
 # Per run: median step time, peak allocated memory, the loss curve; for fastdora its report and which DoRA layers ran
 # the Triton path; the loss-curve differences against the reference. From the repository root:
 #
-#   bash benchmarks/axolotl_h200.sh fetch       where an index is reachable: the wheels (axolotl_h200_wheels.txt) into
-#                                               .whl-axolotl/batch1, batch2 (git-ignored)
-#   bash benchmarks/axolotl_h200.sh install N   install the wheel batch .whl-axolotl/batchN into $AXO_SITE
-#                                               (default /tmp/axo_site), one batch per call (a machine without an index)
-#   bash benchmarks/axolotl_h200.sh run         import check, the C++ node, model + configs, the three runs (~5 min)
+#   bash benchmarks/axolotl_h200.sh fetch     where an index is reachable: the wheels (axolotl_h200_wheels.txt) into
+#                                             .whl-axolotl/all (git-ignored, 45 MiB)
+#   bash benchmarks/axolotl_h200.sh install   install .whl-axolotl/all into $AXO_SITE (default /tmp/axo_site)
+#   bash benchmarks/axolotl_h200.sh run       import check, the C++ node, model + configs, the three runs (~5 min)
 #
 # Results: $OUT (default benchmarks/results/axolotl_h200_<UTC date>/): axolotl_h200.json, axolotl_h200.md, the log of
 # this script and each run's log (the last 3000 lines). Environment: AXO_SITE, RUN_S (each run's time limit, default
@@ -26,33 +25,30 @@ SITE=${AXO_SITE:-/tmp/axo_site}
 PY=${PYTHON:-python3}
 
 case "$cmd" in
-  fetch)  # where an index is reachable: the wheels of benchmarks/axolotl_h200_wheels.txt into .whl-axolotl/batchN
+  fetch)  # where an index is reachable: the wheels of benchmarks/axolotl_h200_wheels.txt into .whl-axolotl/all
     set -e
-    for b in $(grep -v '^#' benchmarks/axolotl_h200_wheels.txt | cut -d' ' -f1 | sort -u); do
-      d=.whl-axolotl/batch$b
-      mkdir -p "$d"
-      pkgs=$(grep "^$b " benchmarks/axolotl_h200_wheels.txt | cut -d' ' -f2 | grep -v '^axolotl-contribs-')
-      "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
-        --platform manylinux2014_x86_64 -d "$d" $pkgs
-      sdists=$(grep "^$b " benchmarks/axolotl_h200_wheels.txt | cut -d' ' -f2 | grep '^axolotl-contribs-' || true)
-      [ -z "$sdists" ] || "$PY" -m pip wheel -q --no-deps -w "$d" $sdists  # sdists only; pure Python
-      echo "batch $b: $(ls "$d" | wc -l) wheels, $(du -sm "$d" | cut -f1) MiB"
-    done
+    d=.whl-axolotl/all
+    rm -rf "$d" && mkdir -p "$d"
+    pkgs=$(grep -v '^#' benchmarks/axolotl_h200_wheels.txt | grep -v '^axolotl-contribs-')
+    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux2014_x86_64 -d "$d" $pkgs
+    sdists=$(grep '^axolotl-contribs-' benchmarks/axolotl_h200_wheels.txt || true)
+    [ -z "$sdists" ] || "$PY" -m pip wheel -q --no-deps -w "$d" $sdists  # sdists only; pure Python
+    # bitsandbytes ships one library per CUDA / ROCm / XPU version (42 MiB); the image's torch is built for CUDA 13.0
+    "$PY" benchmarks/axolotl_h200.py slim-bnb "$d" "${BNB_CUDA:-130}"
+    echo "$(ls "$d" | wc -l) wheels, $(du -sm "$d" | cut -f1) MiB in $d"
     exit 0 ;;
   install)
-    n=${2:?usage: bash benchmarks/axolotl_h200.sh install N}
     shopt -s nullglob
-    whl=(.whl-axolotl/batch"$n"/*.whl)
-    [ ${#whl[@]} -gt 0 ] || { echo "no wheels in .whl-axolotl/batch$n" >&2; exit 1; }
-    # each batch holds other packages; a later batch's bin/ is not merged (the runs call `python -m`)
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "${whl[@]}" 2>&1 \
-      | grep -v "already exists. Specify --upgrade"
-    rc=${PIPESTATUS[0]}
-    echo "batch $n: ${#whl[@]} wheels -> $SITE (rc $rc)"
+    whl=(.whl-axolotl/all/*.whl)
+    [ ${#whl[@]} -gt 0 ] || { echo "no wheels in .whl-axolotl/all (bash benchmarks/axolotl_h200.sh fetch)" >&2; exit 1; }
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "${whl[@]}"
+    rc=$?
+    echo "${#whl[@]} wheels -> $SITE (rc $rc)"
     exit "$rc" ;;
   run) ;;
-  *) echo "usage: bash benchmarks/axolotl_h200.sh fetch | install N | run" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/axolotl_h200.sh fetch | install | run" >&2; exit 2 ;;
 esac
 
 export PYTHONPATH="$SITE:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
@@ -70,7 +66,7 @@ step() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
 step "imports"
-"$PY" - "$WORK/versions.json" <<'EOF' || { echo "import check failed: a wheel batch is missing?" >&2; exit 1; }
+"$PY" - "$WORK/versions.json" <<'EOF' || { echo "import check failed: a wheel is missing?" >&2; exit 1; }
 import importlib, json, sys
 mods = ["torch", "triton", "transformers", "peft", "accelerate", "datasets", "trl", "tokenizers", "pydantic",
         "axolotl", "axolotl.cli.main", "axolotl.train", "axolotl.integrations.base", "fastdora",
