@@ -34,18 +34,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-VARIANT_LABEL = {"lora": "PEFT LoRA", "peft_dora": "PEFT DoRA", "fastdora": "fastdora"}
+VARIANT_LABEL = {"lora": "PEFT LoRA", "peft_dora": "PEFT DoRA", "fastdora": "fastdora",
+                 "fastdora_op": "fastdora, composition as custom ops"}
 # targets: fastdora / LoRA (compiled, default mode) and PEFT DoRA / fastdora (training)
 TARGET_TRAIN, TARGET_INFER, TARGET_VS_DORA = 1.05, 1.03, 1.8
 
 
 def plan(ranks, setups, modes) -> list:
     """Configs in the order they are measured: every (rank, setup) with the three variants compiled in the first
-    mode; the other modes (LoRA and fastdora; ``eager``: not compiled) at the first rank."""
+    mode; the other modes (LoRA and fastdora; ``eager``: not compiled) at the first rank; ``fastdora_op`` (the
+    composition as fastdora's Triton custom ops, ``Settings.compiled_compose_op``) at the first rank and mode."""
     cfgs = []
     for r in ranks:
         for s in setups:
-            for v in ("lora", "fastdora", "peft_dora"):
+            for v in ("lora", "fastdora", "peft_dora") + (("fastdora_op",) if r == ranks[0] else ()):
                 cfgs.append(dict(rank=r, setup=s, variant=v, mode=modes[0]))
     for m in modes[1:]:
         for s in setups:
@@ -67,6 +69,12 @@ def run_worker(a) -> None:
 
     dev = torch.device(a.device)
     a.shape = "tiny" if a.tiny else "qwen3-8b"
+    variant_op = a.variant == "fastdora_op"
+    if variant_op:
+        from fastdora.config import SETTINGS
+
+        SETTINGS.compiled_compose_op = True
+        a.variant = "fastdora"
     model = mb.build_model(a, dev)
     model, info = mb.apply_adapter(model, a, dev)
     if a.mode != "eager":
@@ -109,7 +117,8 @@ def run_worker(a) -> None:
         sync()
         return time.perf_counter() - t0
 
-    rec = dict(rank=a.rank, setup=a.setup, variant=a.variant, mode=a.mode, layers=a.layers, seq=a.seq, ga=a.ga,
+    rec = dict(rank=a.rank, setup=a.setup, variant="fastdora_op" if variant_op else a.variant, mode=a.mode,
+               layers=a.layers, seq=a.seq, ga=a.ga,
                versions=dict(torch=torch.__version__), **info)
     for mod in ("transformers", "peft", "triton"):
         try:
@@ -143,6 +152,8 @@ def run_worker(a) -> None:
     model.eval()
     ti = [timed(infer) for _ in range(a.inf_repeats)]
     rec["infer_s_all"], rec["infer_s"] = ti, statistics.median(ti)
+    if a.profile and dev.type == "cuda":
+        rec["profile"] = profile_iteration(grad_iter, sync)
     rec["graphs_compiled"] = int(counters["stats"]["unique_graphs"])
     rec["graphs_compiled_while_timed"] = rec["graphs_compiled"] - graphs_after_warmup
     rec["graph_breaks"] = int(sum(counters["graph_break"].values()))
@@ -162,12 +173,36 @@ def run_worker(a) -> None:
 # ------------------------------------------------------------------------------------------------------- parent
 
 
+def profile_iteration(grad_iter, sync, top: int = 30) -> dict:
+    """One gradient iteration under ``torch.profiler``: GPU time per kernel name (the ``top`` largest, with counts),
+    the total GPU kernel time, and the host time of fastdora's cached-norm op."""
+    import torch
+
+    act = torch.profiler.ProfilerActivity
+    with torch.profiler.profile(activities=[act.CPU, act.CUDA]) as prof:
+        grad_iter()
+        sync()
+    kernels, host = {}, {}
+    for e in prof.key_averages():
+        dev_us = getattr(e, "self_device_time_total", None)
+        if dev_us is None:
+            dev_us = getattr(e, "self_cuda_time_total", 0)
+        if dev_us and e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.key] = (dev_us / 1e3, e.count)
+        if "fastdora" in e.key:
+            host[e.key] = (e.cpu_time_total / 1e3, e.count)
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
+    return dict(gpu_kernel_ms_total=sum(v[0] for v in kernels.values()),
+                top_kernels=[[k[:90], round(v[0], 3), v[1]] for k, v in ranked[:top]],
+                fastdora_ops_host_ms=host)
+
+
 def worker_cmd(c, a, result) -> list:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--result", result, "--device", a.device,
            "--rank", str(c["rank"]), "--setup", c["setup"], "--variant", c["variant"], "--mode", c["mode"],
            "--layers", str(a.layers), "--seq", str(a.seq), "--ga", str(a.ga), "--loss-tokens", str(a.loss_tokens),
            "--warmup", str(a.warmup), "--repeats", str(a.repeats), "--inf-repeats", str(a.inf_repeats)]
-    return cmd + (["--tiny"] if a.tiny else [])
+    return cmd + (["--tiny"] if a.tiny else []) + (["--profile"] if a.profile else [])
 
 
 def run_parent(a) -> None:
@@ -280,6 +315,8 @@ def build_parser():
     p.add_argument("--budget-s", type=float, default=480.0, help="start no batch after this many seconds")
     p.add_argument("--config-timeout-s", type=float, default=120.0)
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one gradient iteration per config (GPU time per kernel, in the JSON)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--result")
     p.add_argument("--rank", type=int, default=384)

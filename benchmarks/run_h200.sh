@@ -8,7 +8,7 @@
 #                                         four runs at once on the GPU (~300 s)
 #   bash benchmarks/run_h200.sh kernels   kernel microbenchmarks: kernels_bench.py, default sections (~80 s)
 #   bash benchmarks/run_h200.sh compile   DoRA under torch.compile: compile_bench.py (r=384 / r=16, AMP / pure bf16,
-#                                         LoRA / PEFT DoRA / fastdora compiled, reduce-overhead at r=384; ~300 s)
+#                                         LoRA / PEFT DoRA / fastdora compiled, reduce-overhead at r=384; ~400 s)
 #   bash benchmarks/run_h200.sh suite     the whole GPU test suite: pytest tests -m gpu (~350 s)
 #
 # Results go to $OUT (default benchmarks/results/<name>_h200_<UTC date>/): JSON, markdown table, plot and log; the
@@ -72,8 +72,10 @@ case "$cmd" in
     step kernels
     ;;
   compile)
-    timeout ${COMPILE_S:-330} $PY benchmarks/compile_bench.py --out "$OUT" --budget-s $(( ${COMPILE_S:-330} - 120 )) \
+    timeout ${COMPILE_S:-420} $PY benchmarks/compile_bench.py --out "$WORK/cb" --budget-s $(( ${COMPILE_S:-420} - 120 )) \
       > "$OUT/compile_bench.log" 2>&1
+    for f in json md; do cp "$WORK/cb/compile_bench.$f" "$OUT/" 2>/dev/null; done
+    tail -n 30 "$WORK"/cb/cfg*.log > "$OUT/compile_bench_workers.log" 2>/dev/null
     grep "^\[\|MISS\|PASS" "$OUT/compile_bench.log" | tail -60
     step compile
     ;;

@@ -93,7 +93,9 @@ def direct_apply(fn_cls) -> Callable:
     """``fn_cls.apply`` for a Function with no ``setup_context``, minus the Python layer of ``Function.apply`` (the
     per-call signature and functorch checks around the C ``apply``): outside functorch transforms it does what that
     layer does -- unwrap dead functorch wrappers among the tensor arguments -- and calls the C ``apply`` directly.
-    Under functorch transforms (or on a torch without these internals) it is ``fn_cls.apply`` itself."""
+    Under functorch transforms, while ``torch.compile`` traces (dynamo cannot trace the C ``apply``; it traces
+    ``Function.apply``'s forward and backward into the graph) or on a torch without these internals it is
+    ``fn_cls.apply`` itself."""
     if _C_FUNCTION_APPLY is None or _UNWRAP_IF_DEAD is None or _TRANSFORMS_ACTIVE is None:  # pragma: no cover
         return fn_cls.apply
     c_apply = _C_FUNCTION_APPLY.__get__(None, fn_cls)
@@ -101,8 +103,10 @@ def direct_apply(fn_cls) -> Callable:
     is_tensor = torch.Tensor
     active = _TRANSFORMS_ACTIVE
 
+    compiling = torch.compiler.is_compiling
+
     def apply(*args):
-        if active():
+        if active() or compiling():
             return fn_cls.apply(*args)
         return c_apply(*[unwrap(a) if isinstance(a, is_tensor) else a for a in args])
 

@@ -135,6 +135,9 @@ class Settings:
     graph_norm: bool = True  # a layer's once-per-step Triton norm captured into a CUDA graph and replayed
     graph_capture_after: int = 1  # eager recomputations (with a cached base norm) before the capture
     norm_budget_mb: float = 16.0  # working set of the PyTorch factored norm's column chunks
+    # under torch.compile: the composition as fastdora's Triton custom ops (one opaque op per direction) instead of
+    # traced PyTorch ops that Inductor fuses with their neighbours
+    compiled_compose_op: bool = False
     # the C++ composition node (fastdora.kernels.native)
     native: str = dataclasses.field(default_factory=_env_native)  # "auto" | "1" | "0"
     native_launch: bool = dataclasses.field(default_factory=lambda: _env_bool("FASTDORA_NATIVE_LAUNCH", True))

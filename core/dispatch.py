@@ -7,10 +7,12 @@
 - Exact PyTorch fallback (``fastdora.ops.compose.EAGER``, ``fastdora.ops.norm.factored_norm_eager``): CPU, no
   Triton, ``kernels="eager"``, channel-first (conv) layouts, a trainable base bias, tiny problems.
 
-Under ``torch.compile`` the composition is one custom op per direction (``fastdora.ops.compose``) and the cached norm
-is the custom op ``fastdora::cached_norm`` (:func:`compiled_norm`): opaque to the compiler, it looks the norm up in the
-cache when the compiled graph runs, so a compiled model computes each norm once per optimizer step, as in eager mode,
-and its guards see nothing that changes between steps (no recompilation). It is tagged ``cudagraph_unsafe``: a CUDA
+Under ``torch.compile`` the composition is traced as the exact PyTorch ops (every product and sum in fp32, which
+Inductor fuses with the neighbouring elementwise work and rounds once; ``Settings.compiled_compose_op`` makes it one
+opaque Triton custom op per direction instead, measured slower) and the cached norm is the custom op
+``fastdora::cached_norm`` (:func:`compiled_norm`): opaque to the compiler, it looks the norm up in the cache when the
+compiled graph runs, so a compiled model computes each norm once per optimizer step, as in eager mode, and its guards
+see nothing that changes between steps (no recompilation). It is tagged ``cudagraph_unsafe``: a CUDA
 graph must not replay a cache lookup, so ``mode="reduce-overhead"`` captures the rest of the graph around it.
 """
 
@@ -73,6 +75,7 @@ def compose_impl(result, lora, magnitude, bias, base_delta, feature_dim, kernels
     """Called on every composition: the common case is a handful of attribute checks."""
     if (
         kernels == "eager"
+        or (torch.compiler.is_compiling() and not _S.compiled_compose_op)
         or not (result.is_cuda and lora.is_cuda and magnitude.is_cuda)
         or (feature_dim != -1 and feature_dim != result.dim() - 1)
     ):

@@ -11,7 +11,7 @@ PEFT way (without ``fastdora_result``) the module returns exactly what PEFT's re
 
 from __future__ import annotations
 
-import functools
+import types
 import weakref
 from typing import Callable, Optional
 
@@ -835,16 +835,28 @@ def lean_install_safe() -> bool:
     return hook is None or getattr(hook, "__code__", None) in compat.RECOMPUTE_PACK_CODES
 
 
+# The lean forward is an instance attribute ``forward``: a method bound to its module. ``torch.compile`` then guards on
+# the function (one for every layer) and traces the module by its source, so every layer of a model shares one
+# compiled graph (a per-module ``functools.partial`` is guarded by its identity: one graph per layer, measured on the
+# H200 to hit dynamo's recompile limit and send the layers back to eager). Pickle rebuilds a bound method as
+# ``getattr(module, name)``: the function is also a class attribute of PEFT's LoRA ``Linear`` under that name.
+_LEAN_NAME = "_fastdora_lean_forward"
+lean_linear_forward.__name__ = _LEAN_NAME
+if _LoraLinear is not None:
+    setattr(_LoraLinear, _LEAN_NAME, lean_linear_forward)
+
+
 def install_lean_forward(module: nn.Module) -> bool:
-    """Make ``module(x)`` run :func:`lean_linear_forward` (an instance attribute ``forward``, a ``functools.partial``:
-    picklable and deep-copyable). Only PEFT's LoRA ``Linear`` itself, and only where nothing else has replaced
-    ``forward`` on the instance (e.g. accelerate's hooks). Returns whether it is installed."""
+    """Make ``module(x)`` run :func:`lean_linear_forward` (an instance attribute ``forward`` bound to the module:
+    picklable and deep-copyable, one compiled graph for all layers). Only PEFT's LoRA ``Linear`` itself, and only
+    where nothing else has replaced ``forward`` on the instance (e.g. accelerate's hooks). Returns whether it is
+    installed."""
     if _LoraLinear is None or type(module) is not _LoraLinear:
         return False
     current = module.__dict__.get("forward")
     if current is not None:
         return _is_lean(current)
-    module.__dict__["forward"] = functools.partial(lean_linear_forward, module)
+    module.__dict__["forward"] = types.MethodType(lean_linear_forward, module)
     return True
 
 
@@ -856,7 +868,7 @@ def remove_lean_forward(module: nn.Module) -> None:
 def is_fastdora_forward(fn) -> bool:
     """Whether ``fn`` (a module's instance-level ``forward``) is fastdora's own lean forward (plugins tell it from a
     foreign one that may bypass PEFT's DoRA path)."""
-    return type(fn) is functools.partial and fn.func is lean_linear_forward
+    return type(fn) is types.MethodType and fn.__func__ is lean_linear_forward
 
 
 _is_lean = is_fastdora_forward

@@ -197,7 +197,8 @@ def _half_path(result, lora, base_delta, out_dtype) -> bool:
     is the one-rounding version). Saves the fp32 temporaries the general path needs."""
     dt = result.dtype
     return (
-        dt in _HALF
+        not torch.compiler.is_compiling()  # (traced: fp32 math costs no memory once Inductor fuses the casts)
+        and dt in _HALF
         and lora.dtype == dt
         and out_dtype == dt
         and (base_delta is None or base_delta.dtype == dt)
@@ -301,7 +302,8 @@ def compose_bwd_eager(
     acc = acc_dtype_for(dy, magnitude)
     vs = _view_shape(dy, feature_dim)
     coefs = _row_coefs(magnitude, norm, eps, scale, acc)
-    half = dy.dtype in _HALF and result_dtype == lora_dtype == dy.dtype and base_delta_dtype in (None, dy.dtype)
+    half = (dy.dtype in _HALF and result_dtype == lora_dtype == dy.dtype and base_delta_dtype in (None, dy.dtype)
+            and not torch.compiler.is_compiling())
     fast = half and vs is None and _rows_kernels(dy, inner if need_dm else None)
     if fast:  # the row kernels: each product in fp32 from the fp32 per-row vector, rounded once
         d_lora = _scale_rows(dy, coefs.get("gs")) if need_dlora else None
@@ -352,6 +354,8 @@ def _sum_tokens(t: torch.Tensor, feature_dim: int) -> torch.Tensor:
 def _rowsum_product(a: torch.Tensor, b: torch.Tensor, feature_dim: int, acc: torch.dtype) -> torch.Tensor:
     """sum over every dim but ``feature_dim`` of a*b, accumulated in ``acc`` in bounded chunks."""
     fd = feature_dim % a.dim()
+    if torch.compiler.is_compiling():  # one reduction; Inductor keeps the fp32 products in registers
+        return (a.to(acc) * b.to(acc)).sum(dim=[d for d in range(a.dim()) if d != fd])
     a2 = a.movedim(fd, -1).reshape(-1, a.shape[fd])
     b2 = b.movedim(fd, -1).reshape(-1, b.shape[fd])
     same_half = a2.dtype == b2.dtype and a2.dtype in _HALF

@@ -162,6 +162,46 @@ def test_norm_once_per_step_no_recompiles(fused, checkpointing):
     assert max(abs(a - b) for a, b in zip(losses["fastdora"], losses["eager"])) < 1e-5
 
 
+def test_layers_share_one_compiled_graph():
+    """One compiled function called on different DoRA layers of one shape compiles one graph, as for LoRA layers
+    (regional compilation of a model's decoder layers relies on this). fastdora's lean forward is an instance
+    attribute of each LoRA Linear; were dynamo to guard on its identity, each layer would compile its own graph, and
+    past dynamo's recompile limit (8) the layers would run eagerly."""
+    graphs = {}
+    for name, dora, fast in (("lora", False, False), ("fastdora", True, True)):
+        torch.manual_seed(0)
+        base = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
+        model = get_peft_model(base, LoraConfig(r=4, use_dora=dora, target_modules=["0", "1", "2"],
+                                                init_lora_weights=False))
+        if fast:
+            fastdora.enable(model)
+        torch._dynamo.reset()
+        backend = Counting()
+        call = torch.compile(lambda mod, x: mod(x), backend=backend)
+        x = torch.randn(4, 16)
+        for layer in model.base_model.model:
+            call(layer, x).sum().backward()
+        graphs[name] = backend.graphs
+    assert graphs["fastdora"] == graphs["lora"] == 1, graphs
+
+
+def test_lean_forward_survives_pickle_and_deepcopy():
+    """The lean forward (a method bound to its module) is rebuilt by pickle and by ``copy.deepcopy``, bound to the
+    new module, with the same outputs."""
+    import pickle
+
+    from fastdora import layers
+
+    base = _llama(layers=1)
+    m = _peft(base)
+    x = torch.randint(0, 64, (2, 8))
+    want = m(input_ids=x).logits
+    for clone in (pickle.loads(pickle.dumps(m)), copy.deepcopy(m)):
+        lin = [mod for mod in clone.modules() if layers.is_fastdora_forward(mod.__dict__.get("forward"))]
+        assert lin and all(mod.__dict__["forward"].__self__ is mod for mod in lin)
+        torch.testing.assert_close(clone(input_ids=x).logits, want, rtol=0, atol=0)
+
+
 def test_inference_reuses_norm_and_sees_every_change():
     """No-grad calls of a compiled model compute no norm while nothing changes; an in-place edit (version bump, no
     optimizer step), a ``.data`` write followed by ``invalidate_norm_cache()`` and an optimizer step each make the
