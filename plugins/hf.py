@@ -210,8 +210,9 @@ def _build_poetx_class():
             """Convert ``trainer.model`` now and have the trainer's own ``create_optimizer`` put the ``Q`` parameters
             into groups of their own (:func:`~fastdora.plugins._poetx_common.split_q_group`)."""
             if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
-                raise ValueError("POET-X: DeepSpeed and FSDP are not supported (a merge needs each layer's whole "
-                                 "weight on every process); use DDP (torchrun without --fsdp / --deepspeed)")
+                raise ValueError("POET-X: the Trainer's DeepSpeed and FSDP are not supported by PoetXCallback; use "
+                                 "DDP (torchrun without --fsdp / --deepspeed), or FSDP2 (fully_shard) in your own "
+                                 "loop with fastdora.poetx.merge")
             if getattr(trainer, "optimizer", None) is not None:
                 raise ValueError("POET-X: the trainer was given an optimizer (optimizers=...), built before the "
                                  "model was converted; let the trainer build its own (optim=..., "

@@ -11,6 +11,11 @@ from torch import nn
 from .layer import PoetXLinear
 from .ops import MODES
 
+try:
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # torch built without torch.distributed
+    FSDPModule = None
+
 __all__ = ["ConvertReport", "convert", "merge", "export", "PEFT_REASON"]
 
 PEFT_REASON = "has a PEFT adapter (DoRA and POET-X on the same layer are not supported)"
@@ -177,7 +182,17 @@ def convert(
 
 
 def merge(model: nn.Module) -> int:
-    """:meth:`~fastdora.poetx.PoetXLinear.merge` every POET-X layer of ``model``; returns how many were merged."""
+    """:meth:`~fastdora.poetx.PoetXLinear.merge` every POET-X layer of ``model``; returns how many were merged.
+
+    Under FSDP2 every rank calls it (between optimizer steps, like the plain case). It first reshards the model's
+    FSDP modules (``FSDPModule.reshard``: local, no communication), so that the merge writes the sharded parameters
+    FSDP gathers from, not an unsharded copy left by a forward (FSDP keeps the root's parameters unsharded after a
+    forward); each layer's merge then all-gathers its ``W``, ``q_in`` and ``q_out`` (three all-gathers per layer, no
+    broadcast: :mod:`fastdora.poetx.layer`)."""
+    if FSDPModule is not None:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
     layers = [m for m in model.modules() if isinstance(m, PoetXLinear)]
     for layer in layers:
         layer.merge()

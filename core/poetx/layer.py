@@ -8,6 +8,14 @@ folds the factors into the weight (``W ← R W P``, computed in float32 and roun
 the bias alone (it is added after ``R``), resets ``Q`` to zero and draws new permutations; the layer's function is
 unchanged up to that one rounding. The permutations come from a generator seeded with ``(seed, layer_index,
 merge_count)``, so every process that holds the same model draws the same permutations without communicating.
+
+Under FSDP2 (``fully_shard``) ``weight``, ``bias``, ``q_in`` and ``q_out`` are DTensors sharded by rows between
+forwards (FSDP all-gathers them for the forward, so the forward sees plain tensors, and reduce-scatters the gradients
+of ``Q``); the permutation and merge-count buffers are not sharded. A merge needs the whole layer: ``R`` mixes rows
+that other ranks hold, so :meth:`PoetXLinear.merge` all-gathers ``W``, ``q_in`` and ``q_out``
+(``DTensor.full_tensor``: one all-gather each, of that layer's shards), computes the same ``R·W·P`` on every rank
+and writes back only its own rows; ``Q`` is zeroed shard by shard and the permutations are drawn locally from the
+seed. Nothing is broadcast.
 """
 
 from __future__ import annotations
@@ -19,6 +27,12 @@ from torch import nn
 
 from .cayley import cayley_neumann, skew_size
 from .ops import MODES, poetx_linear, rotate
+
+try:  # FSDP2 / tensor parallelism shard parameters as DTensors
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, distribute_tensor
+except ImportError:  # torch built without torch.distributed
+    DTensor = distribute_tensor = FSDPModule = None
 
 __all__ = ["PoetXLinear", "permutation_seed"]
 
@@ -44,6 +58,26 @@ def permutation_seed(seed: int, layer_index: int, merge_count: int) -> int:
 def _autocast_to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """What autocast does to a floating-point operand of a matmul: float64 stays, other floats take ``dtype``."""
     return t if t.dtype == torch.float64 else t.to(dtype)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor with all of ``t``'s values: ``t`` itself, or a sharded DTensor all-gathered."""
+    return t.full_tensor() if _is_dtensor(t) else t
+
+
+@torch.no_grad()
+def _write(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy ``full`` into ``param`` in place (the Parameter object stays); for a DTensor, only this rank's shard of
+    ``full`` (split locally, ``src_data_rank=None``: no communication)."""
+    if _is_dtensor(param):
+        mine = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(mine.to_local())
+    else:
+        param.copy_(full)
 
 
 class PoetXLinear(nn.Module):
@@ -121,6 +155,12 @@ class PoetXLinear(nn.Module):
         return (cayley_neumann(self.q_in, self.block_size, self.terms),
                 cayley_neumann(self.q_out, self.block_size, self.terms))
 
+    @torch.no_grad()
+    def _full_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`blocks` from the whole ``Q`` (all-gathered when it is sharded), as plain tensors."""
+        return (cayley_neumann(_full(self.q_in), self.block_size, self.terms),
+                cayley_neumann(_full(self.q_out), self.block_size, self.terms))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias
         device_type = x.device.type
@@ -134,20 +174,29 @@ class PoetXLinear(nn.Module):
     @torch.no_grad()
     def effective_weight(self) -> torch.Tensor:
         """``R·W·P``, not rounded: in float32 (float64 if the weight or ``Q`` is float64), with the blocks the forward
-        uses (computed in ``Q``'s dtype)."""
+        uses (computed in ``Q``'s dtype). A plain tensor, the whole matrix on every rank when the parameters are
+        sharded (FSDP2): ``W``, ``q_in`` and ``q_out`` are then all-gathered."""
         compute = torch.promote_types(torch.promote_types(self.weight.dtype, self.q_in.dtype), torch.float32)
-        g_in, g_out = self.blocks()
-        rw = rotate(self.weight.to(compute).mT, self.perm_out, g_out).mT  # R·W = (Wᵀ·Rᵀ)ᵀ
+        g_in, g_out = self._full_blocks()
+        rw = rotate(_full(self.weight).to(compute).mT, self.perm_out, g_out).mT  # R·W = (Wᵀ·Rᵀ)ᵀ
         return rotate(rw, self.perm_in, g_in, transpose=True)  # (R·W)·P
 
     @torch.no_grad()
     def merge(self) -> None:
         """``W ← R·W·P`` (rounded once to the weight's dtype, in place: the Parameter objects stay), ``Q_in = Q_out
         = 0``, ``merge_count += 1`` and new permutations. The bias is unchanged. The optimizer's state for ``q_in``
-        and ``q_out`` describes the old factors: the caller resets it."""
-        self.weight.copy_(self.effective_weight())
-        self.q_in.zero_()
-        self.q_out.zero_()
+        and ``q_out`` describes the old factors: the caller resets it.
+
+        With sharded parameters (FSDP2) every rank must call it (it all-gathers ``W``, ``q_in`` and ``q_out``: three
+        all-gathers, see the module docstring); each rank writes its own shard of the same product. A layer that is
+        itself an FSDP module is resharded first; for layers inside one, use :func:`fastdora.poetx.merge` on the
+        model, which reshards every FSDP module first (after a forward FSDP may hold unsharded copies, and a merge
+        written into those would be lost)."""
+        if FSDPModule is not None and isinstance(self, FSDPModule):
+            self.reshard()
+        _write(self.weight, self.effective_weight())
+        for q in (self.q_in, self.q_out):
+            (q.to_local() if _is_dtensor(q) else q).zero_()
         self.merge_count += 1
         self._draw_permutations()
 
@@ -158,7 +207,7 @@ class PoetXLinear(nn.Module):
         linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
         linear.weight = nn.Parameter(self.effective_weight().to(self.weight.dtype))
         if self.bias is not None:
-            linear.bias = nn.Parameter(self.bias.detach().clone(), requires_grad=self.bias.requires_grad)
+            linear.bias = nn.Parameter(_full(self.bias.detach()).clone(), requires_grad=self.bias.requires_grad)
         return linear
 
     def extra_repr(self) -> str:
