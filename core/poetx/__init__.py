@@ -10,7 +10,8 @@ deviation from orthogonality, :mod:`~fastdora.poetx.cayley`).
     poetx.export(model)                            # back to plain nn.Linear layers, the original state-dict keys
 
 Modules: :mod:`~fastdora.poetx.cayley` (the orthogonal blocks), :mod:`~fastdora.poetx.ops` (the input-centric
-forward and backward), :mod:`~fastdora.poetx.layer` (:class:`PoetXLinear`), :mod:`~fastdora.poetx.convert`.
+forward and backward), :mod:`~fastdora.poetx.layer` (:class:`PoetXLinear`), :mod:`~fastdora.poetx.convert`,
+:mod:`~fastdora.poetx.quant` (the group-wise int8 base, ``weight_format="int8"``).
 """
 
 from .convert import ConvertReport, convert, export, merge

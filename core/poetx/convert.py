@@ -8,7 +8,8 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from .layer import PoetXLinear
+from . import quant
+from .layer import WEIGHT_FORMATS, PoetXLinear
 from .ops import MODES
 
 try:
@@ -32,6 +33,8 @@ class ConvertReport:
         trainable_parameters: number of ``q_in`` / ``q_out`` values added.
         block_size, merge_interval, mode, terms, seed, from_scratch_normalize: the settings used;
             ``merge_interval`` is the schedule for the training loop (merge every that many optimizer steps).
+        weight_format, group_size: how the converted layers hold their weights ("dense", or "int8" with that group
+            size).
     """
 
     converted: list[str]
@@ -43,12 +46,15 @@ class ConvertReport:
     terms: int
     seed: int
     from_scratch_normalize: bool
+    weight_format: str = "dense"
+    group_size: int = quant.GROUP_SIZE
 
     def __str__(self) -> str:
         lines = [
             f"POET-X: converted {len(self.converted)} linear layers (block_size={self.block_size}, mode={self.mode!r}, "
             f"terms={self.terms}, merge every {self.merge_interval} steps), {self.trainable_parameters:,} trainable "
             f"values" + (", weight rows normalised" if self.from_scratch_normalize else "")
+            + (f", int8 weights in groups of {self.group_size}" if self.weight_format == "int8" else "")
         ]
         lines += [f"  skipped {name}: {reason}" for name, reason in self.skipped.items()]
         return "\n".join(lines)
@@ -58,7 +64,7 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _validate(block_size, merge_interval, mode, terms, exclude, seed) -> tuple[str, ...]:
+def _validate(block_size, merge_interval, mode, terms, exclude, seed, weight_format, group_size) -> tuple[str, ...]:
     if not _is_int(block_size) or block_size <= 1:
         raise ValueError(f"block_size must be an int > 1, got {block_size!r}")
     if not _is_int(merge_interval) or merge_interval <= 0:
@@ -69,6 +75,10 @@ def _validate(block_size, merge_interval, mode, terms, exclude, seed) -> tuple[s
         raise ValueError(f"terms must be an int >= 1, got {terms!r}")
     if not _is_int(seed):
         raise ValueError(f"seed must be an int, got {seed!r}")
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
+    if not _is_int(group_size) or group_size < 1:
+        raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
     exclude = (exclude,) if isinstance(exclude, str) else tuple(exclude)
     if not all(isinstance(e, str) and e for e in exclude):
         raise ValueError(f"exclude must be non-empty strings, got {exclude!r}")
@@ -85,7 +95,8 @@ def _is_peft_layer(module: nn.Module) -> bool:
     return hasattr(module, "lora_A") or hasattr(module, "base_layer")
 
 
-def _skip_reason(linear: nn.Linear, name: str, block_size: int, exclude, shared: set) -> Optional[str]:
+def _skip_reason(linear: nn.Linear, name: str, block_size: int, exclude, shared: set,
+                 group_size: Optional[int]) -> Optional[str]:
     if type(linear) is not nn.Linear:
         return f"is a {type(linear).__name__} (a subclass of nn.Linear): only plain nn.Linear layers are converted"
     entry = _excluded_by(name, exclude)
@@ -103,6 +114,8 @@ def _skip_reason(linear: nn.Linear, name: str, block_size: int, exclude, shared:
             return f"block_size {block_size} exceeds {what} {size}"
         if size % block_size:
             return f"{what} {size} is not divisible by block_size {block_size}"
+    if group_size is not None and linear.in_features % group_size:
+        return f"in_features {linear.in_features} is not divisible by group_size {group_size} (weight_format 'int8')"
     return None
 
 
@@ -115,6 +128,8 @@ def convert(
     exclude: Iterable[str] = ("lm_head",),
     seed: int = 0,
     from_scratch_normalize: bool = False,
+    weight_format: str = "dense",
+    group_size: int = quant.GROUP_SIZE,
 ) -> ConvertReport:
     """Replace, in place, every plain ``nn.Linear`` of ``model`` by a :class:`~fastdora.poetx.PoetXLinear`.
 
@@ -123,7 +138,10 @@ def convert(
     scaled to unit L2 norm first (the normalised initialisation for training from scratch; it changes the function).
     Layers are skipped, with the reason in the report, when they are excluded, a subclass of ``nn.Linear``
     (quantised or special-purpose layers), inside a PEFT adapter layer, tied to another module, or their features
-    are smaller than or not divisible by ``block_size``.
+    are smaller than or not divisible by ``block_size`` (or, with ``weight_format="int8"``, ``in_features`` is not
+    divisible by ``group_size``). With "int8", each converted layer computes what ``nn.Linear`` with the dequantised
+    weight computes (the quantisation is the only change, within float32 rounding), and the floating-point weight is
+    released when the model held its only reference.
 
     Args:
         model: the model (not itself an ``nn.Linear``: wrap a lone layer in :class:`~fastdora.poetx.PoetXLinear`).
@@ -135,11 +153,15 @@ def convert(
             excludes "lm_head" and "model.lm_head"; "layers.0" excludes everything under any "layers.0").
         seed: the permutations' seed (with each layer's index and merge count).
         from_scratch_normalize: see above.
+        weight_format: "dense" (the weights as they are) or "int8" (group-wise int8 codes and float32 scales,
+            :mod:`fastdora.poetx.quant`).
+        group_size: consecutive input features per int8 scale (default 128); used with "int8" only.
 
     Raises:
         ValueError: invalid settings, ``model`` already converted, or ``model`` itself an ``nn.Linear``.
     """
-    exclude = _validate(block_size, merge_interval, mode, terms, exclude, seed)
+    exclude = _validate(block_size, merge_interval, mode, terms, exclude, seed, weight_format, group_size)
+    int8_group = group_size if weight_format == "int8" else None
     if isinstance(model, nn.Linear):
         raise ValueError("convert() replaces the linear layers inside a model; wrap a single nn.Linear with "
                          "PoetXLinear(layer, block_size) instead")
@@ -161,7 +183,7 @@ def convert(
             if _is_peft_layer(child):
                 skipped[name] = PEFT_REASON
             elif isinstance(child, nn.Linear):
-                reason = _skip_reason(child, name, block_size, exclude, shared)
+                reason = _skip_reason(child, name, block_size, exclude, shared, int8_group)
                 if reason is not None:
                     skipped[name] = reason
                     continue
@@ -169,7 +191,8 @@ def convert(
                     with torch.no_grad():
                         w = child.weight
                         w.copy_(w.float() / torch.linalg.vector_norm(w.float(), dim=1, keepdim=True))
-                layer = PoetXLinear(child, block_size, mode=mode, terms=terms, seed=seed, layer_index=len(converted))
+                layer = PoetXLinear(child, block_size, mode=mode, terms=terms, seed=seed, layer_index=len(converted),
+                                    weight_format=weight_format, group_size=group_size)
                 setattr(parent, child_name, layer)
                 converted.append(name)
                 trainable += layer.q_in.numel() + layer.q_out.numel()
@@ -178,7 +201,7 @@ def convert(
 
     visit(model, "")
     return ConvertReport(converted, skipped, trainable, block_size, merge_interval, mode, terms, seed,
-                         from_scratch_normalize)
+                         from_scratch_normalize, weight_format, group_size)
 
 
 def merge(model: nn.Module) -> int:

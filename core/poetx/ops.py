@@ -30,6 +30,9 @@ bias); a block kernel can fold the gathers and scatters into its own loads and s
 The block products run in ``promote(activation dtype, block dtype)`` (float32 for bfloat16 activations with float32
 blocks) and round once to the activation dtype; the GEMMs run in the activation dtype like ``nn.Linear``. The gradient
 with respect to ``W`` is never computed: ``W`` changes only through merges.
+With an 8-bit base (``weight_scales`` given, :mod:`fastdora.poetx.quant`) ``W`` is int8 codes with group-wise
+scales; the two GEMMs dequantise a bounded chunk of output rows at a time into the activation dtype, so the full
+high-precision weight never exists, and the gradients are those of the same op on the dequantised weight.
 
 :func:`rotate` and :func:`block_outer` run as Triton kernels (:mod:`fastdora.poetx.kernels`: the permutations fused
 into the block products' loads and stores, fp32 accumulation) for tensors the kernels take (CUDA, float16 / bfloat16 /
@@ -46,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels as _kernels
+from . import quant as _quant
 
 __all__ = ["MODES", "rotate", "block_outer", "poetx_linear"]
 
@@ -112,21 +116,32 @@ def block_outer(a: torch.Tensor, b: torch.Tensor, perm: torch.Tensor, blocks: to
     return torch.einsum("nkc,nkj->kcj", ap, bp).to(blocks.dtype)
 
 
+def _gemm(z, weight, scales, rows):
+    """``z·Wᵀ``: the dense GEMM, or chunk by chunk on the int8 codes (:func:`fastdora.poetx.quant.linear`)."""
+    return F.linear(z, weight) if scales is None else _quant.linear(z, weight, scales, rows)
+
+
+def _gemm_t(g, weight, scales, rows):
+    """``g·W``: the dense GEMM, or chunk by chunk on the int8 codes (:func:`fastdora.poetx.quant.matmul`)."""
+    return g @ weight if scales is None else _quant.matmul(g, weight, scales, rows)
+
+
 class _PoetXLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, g_in, g_out, perm_in, perm_out, save_gemm_output):
+    def forward(ctx, x, weight, scales, bias, g_in, g_out, perm_in, perm_out, save_gemm_output, rows):
         with torch.autocast(x.device.type, enabled=False):  # the block products pick their own precision
             x2 = x.reshape(-1, x.shape[-1])
-            u = F.linear(rotate(x2, perm_in, g_in), weight)
+            u = _gemm(rotate(x2, perm_in, g_in), weight, scales, rows)
             y = rotate(u, perm_out, g_out, bias=bias)
-        ctx.save_for_backward(x, weight, g_in, g_out, perm_in, perm_out, u if save_gemm_output else None)
+        ctx.save_for_backward(x, weight, scales, g_in, g_out, perm_in, perm_out, u if save_gemm_output else None)
         ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.rows = rows
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, weight, g_in, g_out, perm_in, perm_out, u = ctx.saved_tensors
-        need_x, _, need_bias, need_g_in, need_g_out = ctx.needs_input_grad[:5]
+        x, weight, scales, g_in, g_out, perm_in, perm_out, u = ctx.saved_tensors
+        need_x, _, _, need_bias, need_g_in, need_g_out = ctx.needs_input_grad[:6]
         grad_x = grad_bias = grad_g_in = grad_g_out = None
         with torch.autocast(x.device.type, enabled=False):  # the block products pick their own precision
             x2 = x.reshape(-1, x.shape[-1])
@@ -135,18 +150,18 @@ class _PoetXLinear(torch.autograd.Function):
                 grad_bias = gy.sum(0, dtype=torch.promote_types(gy.dtype, torch.float32)).to(ctx.bias_dtype)
             if need_g_out:
                 if u is None:  # "mem": recompute the GEMM output
-                    u = F.linear(rotate(x2, perm_in, g_in), weight)
+                    u = _gemm(rotate(x2, perm_in, g_in), weight, scales, ctx.rows)
                 grad_g_out = block_outer(gy, u, perm_out, g_out)
             if need_x or need_g_in:
-                gz = rotate(gy, perm_out, g_out, transpose=True) @ weight
+                gz = _gemm_t(rotate(gy, perm_out, g_out, transpose=True), weight, scales, ctx.rows)
                 if need_g_in:
                     grad_g_in = block_outer(gz, x2, perm_in, g_in)
                 if need_x:
                     grad_x = rotate(gz, perm_in, g_in, transpose=True).reshape(x.shape)
-        return grad_x, None, grad_bias, grad_g_in, grad_g_out, None, None, None
+        return grad_x, None, None, grad_bias, grad_g_in, grad_g_out, None, None, None, None
 
 
-def _check(x, weight, bias, g_in, g_out, perm_in, perm_out, mode) -> None:
+def _check(x, weight, bias, g_in, g_out, perm_in, perm_out, mode, weight_scales, chunk_rows) -> None:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if weight.requires_grad:
@@ -154,11 +169,29 @@ def _check(x, weight, bias, g_in, g_out, perm_in, perm_out, mode) -> None:
     d_out, d_in = weight.shape
     if x.shape[-1] != d_in:
         raise ValueError(f"input has {x.shape[-1]} features, the weight expects {d_in}")
-    if x.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
-        raise TypeError(
-            f"input, weight and bias must share one dtype, got {x.dtype}, {weight.dtype}, "
-            f"{None if bias is None else bias.dtype}"
-        )
+    if weight_scales is None:
+        if chunk_rows is not None:
+            raise ValueError("chunk_rows applies to int8 weights only (pass weight_scales)")
+        if x.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+            raise TypeError(
+                f"input, weight and bias must share one dtype, got {x.dtype}, {weight.dtype}, "
+                f"{None if bias is None else bias.dtype}"
+            )
+    else:
+        if weight.dtype != torch.int8:
+            raise TypeError(f"with weight_scales, the weight holds int8 codes, got {weight.dtype}")
+        groups = weight_scales.shape[-1] if weight_scales.dim() == 2 else 0
+        if (weight_scales.dim() != 2 or weight_scales.shape[0] != d_out or groups == 0 or d_in % groups
+                or not weight_scales.is_floating_point()):
+            raise ValueError(f"weight_scales must be floating point of shape ({d_out}, d_in / group_size) for "
+                             f"codes of shape {tuple(weight.shape)}, got {weight_scales.dtype} "
+                             f"{tuple(weight_scales.shape)}")
+        if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int)
+                                       or chunk_rows < 1):
+            raise ValueError(f"chunk_rows must be an int >= 1 or None, got {chunk_rows!r}")
+        if not x.is_floating_point() or (bias is not None and bias.dtype != x.dtype):
+            raise TypeError(f"input and bias must share one floating-point dtype, got {x.dtype}, "
+                            f"{None if bias is None else bias.dtype}")
     for side, blocks, perm, d in (("input", g_in, perm_in, d_in), ("output", g_out, perm_out, d_out)):
         if blocks.dim() != 3 or blocks.shape[1] != blocks.shape[2] or blocks.shape[0] * blocks.shape[1] != d:
             raise ValueError(f"{side}-side blocks of shape {tuple(blocks.shape)} do not tile {d} features")
@@ -176,20 +209,30 @@ def poetx_linear(
     perm_in: torch.Tensor,
     perm_out: torch.Tensor,
     mode: str = "fast",
+    *,
+    weight_scales: Optional[torch.Tensor] = None,
+    chunk_rows: Optional[int] = None,
 ) -> torch.Tensor:
     """``y = x·(R W P)ᵀ + bias`` (see the module docstring) as one autograd node.
 
     Args:
-        x: ``[..., d_in]`` activations, in ``weight``'s dtype.
-        weight: ``[d_out, d_in]``, frozen (must not require grad).
+        x: ``[..., d_in]`` activations, in ``weight``'s dtype (any floating dtype with an int8 weight).
+        weight: ``[d_out, d_in]``, frozen (must not require grad); int8 codes when ``weight_scales`` is given.
         bias: ``[d_out]`` or None; may require grad.
         g_in: ``[d_in / b, b, b]`` input-side blocks ``H`` (from :func:`fastdora.poetx.cayley.cayley_neumann`).
         g_out: ``[d_out / b', b', b']`` output-side blocks ``G``.
         perm_in, perm_out: int64 permutations of ``d_in`` and ``d_out``.
         mode: "fast" (saves the GEMM output, ``N·d_out`` values) or "mem" (recomputes it in the backward).
+        weight_scales: ``[d_out, d_in / G]`` group scales of int8 codes (:mod:`fastdora.poetx.quant`). The GEMMs
+            (forward, backward and "mem"'s recompute) then dequantise ``chunk_rows`` output rows at a time into
+            ``x``'s dtype; the autograd graph holds the codes and scales, never a dequantised weight.
+        chunk_rows: output rows per dequantised tile (default: a :data:`fastdora.poetx.quant.CHUNK_BYTES` tile).
 
     Returns:
         ``[..., d_out]`` in ``x``'s dtype; gradients flow to ``x``, ``bias``, ``g_in`` and ``g_out``.
     """
-    _check(x, weight, bias, g_in, g_out, perm_in, perm_out, mode)
-    return _PoetXLinear.apply(x, weight, bias, g_in, g_out, perm_in, perm_out, mode == "fast")
+    _check(x, weight, bias, g_in, g_out, perm_in, perm_out, mode, weight_scales, chunk_rows)
+    rows = None
+    if weight_scales is not None:
+        rows = chunk_rows or _quant.chunk_rows(weight.shape[1], x.dtype)
+    return _PoetXLinear.apply(x, weight, weight_scales, bias, g_in, g_out, perm_in, perm_out, mode == "fast", rows)
