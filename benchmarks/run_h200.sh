@@ -8,7 +8,7 @@
 #                                         four runs at once on the GPU (~300 s)
 #   bash benchmarks/run_h200.sh kernels   kernel microbenchmarks: kernels_bench.py, default sections (~80 s)
 #   bash benchmarks/run_h200.sh compile   DoRA under torch.compile: compile_bench.py (r=384 / r=16, AMP / pure bf16,
-#                                         LoRA / PEFT DoRA / fastdora compiled, reduce-overhead at r=384; ~400 s)
+#                                         LoRA / PEFT DoRA / fastdora compiled, reduce-overhead at r=384; ~300 s)
 #   bash benchmarks/run_h200.sh suite     the whole GPU test suite: pytest tests -m gpu (~350 s)
 #
 # Results go to $OUT (default benchmarks/results/<name>_h200_<UTC date>/): JSON, markdown table, plot and log; the
