@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +26,8 @@ import torch
 import fastdora
 from fastdora import cache as fd_cache
 from fastdora import distributed as fd_dist
+
+from ..plugins._support import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "multigpu" / "train_dist.py"
@@ -40,12 +41,6 @@ ZERO_ENGINES = ["zero2", "zero3"]
 FASTDORA_ONLY = ["fsdp1_bf16", "fsdp1_orig"]
 
 HAVE_DS = importlib.util.find_spec("deepspeed") is not None  # not imported here: it runs in the subprocesses
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _common(out):
@@ -68,7 +63,7 @@ def runs(tmp_path_factory):
     )  # fmt: skip
     multi = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-         "--master_port", str(_free_port()), str(SCRIPT), "--engines", ",".join(engines), *_common(out)],
+         "--master_port", str(free_port()), str(SCRIPT), "--engines", ",".join(engines), *_common(out)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     logs = {}

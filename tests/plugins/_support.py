@@ -1,10 +1,12 @@
 """Shared helpers of the plugin tests: a tiny PEFT DoRA model, a log-record collector, stand-ins for the frameworks
-that are not installed in the test environment (Axolotl, LLaMA-Factory) and a subprocess runner."""
+that are not installed in the test environment (Axolotl, LLaMA-Factory), a subprocess runner, and what the torchrun
+jobs share (a free port, their environment, counted collective calls)."""
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import subprocess
 import sys
 import types
@@ -91,3 +93,35 @@ def run_python(args: list, code: str, cwd: str, env: dict | None = None, timeout
     full_env.update(env or {})
     return subprocess.run([sys.executable, *args, "-c", code], cwd=cwd, env=full_env, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (a torchrun rendezvous port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def job_env(**extra: str) -> dict:
+    """This process's environment for a job started alone or under torchrun: without a torchrun launcher's rank
+    variables (a test run under torchrun must not pass them on), one thread per process, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **extra)
+    return env
+
+
+def count_calls(module, names) -> dict:
+    """Replace each function ``module.<name>`` with a wrapper that counts its calls; returns the counter
+    (``{"n": calls so far}``). The torchrun jobs wrap ``torch.distributed``'s collectives with it."""
+    calls = {"n": 0}
+
+    def counting(fn):
+        def wrapper(*args, **kwargs):
+            calls["n"] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    for name in names:
+        setattr(module, name, counting(getattr(module, name)))
+    return calls

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests.plugins._support import count_calls  # noqa: E402
 from tests.plugins.test_poetx_callback import dataset, tiny_llama  # noqa: E402
 
 from fastdora import poetx  # noqa: E402
@@ -31,21 +32,11 @@ torch.set_num_threads(1)
 out = sys.argv[1]
 world = int(os.environ.get("WORLD_SIZE", "1"))
 
-calls = {"n": 0}
-
-
-def counting(fn):
-    def wrapper(*args, **kwargs):
-        calls["n"] += 1
-        return fn(*args, **kwargs)
-
-    return wrapper
-
-
-for name in ("broadcast", "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "send",
-             "recv", "scatter", "gather", "broadcast_object_list", "all_gather_object", "reduce_scatter",
-             "all_to_all", "all_to_all_single"):
-    setattr(dist, name, counting(getattr(dist, name)))
+calls = count_calls(dist, (
+    "broadcast", "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "send", "recv",
+    "scatter", "gather", "broadcast_object_list", "all_gather_object", "reduce_scatter", "all_to_all",
+    "all_to_all_single",
+))
 
 rank = 0
 model = tiny_llama()

@@ -6,7 +6,6 @@ one-process run (fp32: float reassociation of the gradient average only)."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -15,21 +14,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from ._support import REPO  # noqa: E402
+from ._support import REPO, free_port, job_env  # noqa: E402
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "poetx_ddp_job.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(cmd, out):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
-    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(cmd + [str(out)], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.run(cmd + [str(out)], cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-6000:]
 
@@ -41,7 +32,7 @@ def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("poetx_ddp")
     _run([sys.executable, JOB], base / "one")
     _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-          str(_free_port()), JOB], base / "two")
+          str(free_port()), JOB], base / "two")
     load = lambda p: torch.load(p, weights_only=False)  # noqa: E731
     return load(base / "one" / "rank0.pt"), [load(base / "two" / f"rank{r}.pt") for r in range(2)]
 

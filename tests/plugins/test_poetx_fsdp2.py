@@ -8,7 +8,6 @@ max differences about 5e-7 for parameters and 2.4e-7 for losses; tolerance 1e-5)
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -17,25 +16,17 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from ._support import REPO  # noqa: E402
+from ._support import REPO, free_port, job_env  # noqa: E402
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "poetx_fsdp2_job.py")
 N_LAYERS = 14  # q k v o gate up down, 2 decoder layers
 TOL = 1e-5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(cmd, out):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
-    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
     out.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(cmd + [str(out)], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    return subprocess.Popen(cmd + [str(out)], cwd=REPO, env=job_env(PYTHONWARNINGS="ignore"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
 
 
 def _wait(proc):
@@ -54,7 +45,7 @@ def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("poetx_fsdp2")
     one = _start([sys.executable, JOB], base / "one")
     two = _start([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                  "127.0.0.1", "--master_port", str(_free_port()), JOB], base / "two")
+                  "127.0.0.1", "--master_port", str(free_port()), JOB], base / "two")
     _wait(one)
     _wait(two)
     load = lambda p: torch.load(p, weights_only=False)  # noqa: E731
