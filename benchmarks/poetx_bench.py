@@ -177,7 +177,7 @@ OUTER_SWEEP = [dict(block_n=64, block_c=64, warps=4), dict(block_n=64, block_c=1
                dict(block_n=32, block_c=128, warps=8), dict(block_n=128, block_c=128, warps=8)]
 
 
-def run_ops(device: str, tiny: bool) -> list:
+def run_ops(device: str, tiny: bool, sweep: bool = False) -> list:
     """Each operation alone: kernels vs the PyTorch path (and tile sweeps), median ms."""
     timer = _timer(device, reps=3 if tiny else 10)
     d = 64 if tiny else 4096
@@ -198,34 +198,81 @@ def run_ops(device: str, tiny: bool) -> list:
             t = torch.randn(n, d, device=device, dtype=torch.bfloat16)
             c = torch.randn(n, d, device=device, dtype=torch.bfloat16)
             p = packed.clone().requires_grad_()
+            tp = poetx_ops._gather(t, perm)
             cases = [
                 ("rotate", lambda: poetx_ops.rotate(t, perm, g)),
                 ("rotate-T", lambda: poetx_ops.rotate(t, perm, g, transpose=True)),
                 ("block_outer", lambda: poetx_ops.block_outer(t, c, perm, g)),
+                ("permute", lambda: poetx_ops._gather(t, perm)),
+                ("block products", lambda: poetx_ops._block_mm(tp, g, False, None, None)),
+                ("block gradient", lambda: poetx_ops._block_outer(tp, c, g)),
                 ("cayley fwd+bwd", lambda: cayley_neumann(p, b).backward(grad_g)),
             ]
             for op, fn in cases:
                 if op == "cayley fwd+bwd" and n != (16 if tiny else 2048):
                     continue  # no tokens involved
-                for enabled in (True, False):
-                    poetx_kernels.ENABLED = enabled
+                variants = [("kernels", True, False), ("pytorch", False, False)]
+                if op in ("rotate", "rotate-T", "block_outer"):
+                    variants.append(("kernels, permutation fused", True, True))
+                for name, enabled, fused in variants:
+                    poetx_kernels.ENABLED, poetx_kernels.PERMUTE_FUSED = enabled, fused
                     try:
-                        record(op, n, b, "kernels" if enabled else "pytorch", fn)
+                        record(op, n, b, name, fn)
                     finally:
-                        poetx_kernels.ENABLED = True
-            for cfg in ROTATE_SWEEP:
+                        poetx_kernels.ENABLED, poetx_kernels.PERMUTE_FUSED = True, False
+            for cfg in (ROTATE_SWEEP if sweep else []):
                 poetx_kernels.ROTATE_CONFIG = cfg
                 try:
                     record("rotate", n, b, f"kernels {cfg}", cases[0][1])
                 finally:
                     poetx_kernels.ROTATE_CONFIG = {}
-            for cfg in OUTER_SWEEP:
+            for cfg in (OUTER_SWEEP if sweep else []):
                 poetx_kernels.OUTER_CONFIG = cfg
                 try:
                     record("block_outer", n, b, f"kernels {cfg}", cases[2][1])
                 finally:
                     poetx_kernels.OUTER_CONFIG = {}
     return rows
+
+
+def run_profile(device: str, tiny: bool, top: int = 25) -> list:
+    """One fwd+bwd of a fast-mode layer (kernels and PyTorch path) under ``torch.profiler``: GPU time per kernel."""
+    shapes = [(64, 64, 2, 16)] if tiny else [(4096, 4096, 1, 256), (4096, 4096, 4, 256), (4096, 14336, 4, 256)]
+    seq = TINY["seq"] if tiny else SEQ
+    act = torch.profiler.ProfilerActivity
+    out = []
+    for d_in, d_out, batch, b in shapes:
+        weight = (torch.randn(d_out, d_in, device=device) / d_in ** 0.5).to(torch.bfloat16)
+        x = torch.randn(batch, seq, d_in, device=device, dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(batch, seq, d_out, device=device, dtype=torch.bfloat16)
+        for variant in ("linear", "poetx-fast", "poetx-fast-torch"):
+            layer = _layer(variant, weight, b)
+            poetx_kernels.ENABLED = variant != "poetx-fast-torch"
+            try:
+                for _ in range(3):
+                    layer(x).backward(dy)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                acts = [act.CPU] + ([act.CUDA] if device == "cuda" else [])
+                with torch.profiler.profile(activities=acts) as prof:
+                    layer(x).backward(dy)
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+            finally:
+                poetx_kernels.ENABLED = True
+            kernels = {}
+            for e in prof.key_averages():
+                us = getattr(e, "self_device_time_total", 0) or 0
+                if us and e.device_type == torch.autograd.DeviceType.CUDA:
+                    kernels[e.key] = (us / 1e3, e.count)
+            ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
+            total = sum(v[0] for v in kernels.values())
+            print(f"--- {d_in}->{d_out} batch {batch} b={b} {variant}: GPU kernel time {total:.3f} ms", flush=True)
+            for k, (ms, n) in ranked:
+                print(f"   {ms:8.3f} ms  x{n:<3} {k[:110]}", flush=True)
+            out.append(dict(d_in=d_in, d_out=d_out, batch=batch, block=b, variant=variant, gpu_ms=total,
+                            kernels=[[k[:110], ms, n] for k, (ms, n) in ranked]))
+    return out
 
 
 def _fmt(r: dict) -> str:
@@ -239,8 +286,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (checks the script, measures nothing useful)")
-    ap.add_argument("--sections", default="layer", help="comma separated: layer (the layer grid), ops")
+    ap.add_argument("--sections", default="layer", help="comma separated: layer (the layer grid), ops, profile")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma separated subset of {VARIANTS}")
+    ap.add_argument("--sweep", action="store_true", help="ops: also the tile configurations of ROTATE_SWEEP / "
+                    "OUTER_SWEEP")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     a = ap.parse_args()
     variants = [v for v in a.variants.split(",") if v]
@@ -254,10 +303,11 @@ def main() -> None:
         ap.error("no CUDA device (use --device cpu --tiny to check the script)")
     torch.manual_seed(0)
     sections = [x for x in a.sections.split(",") if x]
-    if set(sections) - {"layer", "ops"}:
-        ap.error(f"unknown sections {sorted(set(sections) - {'layer', 'ops'})}")
+    if set(sections) - {"layer", "ops", "profile"}:
+        ap.error(f"unknown sections {sorted(set(sections) - {'layer', 'ops', 'profile'})}")
     rows = run(a.device, a.tiny, variants) if "layer" in sections else []
-    op_rows = run_ops(a.device, a.tiny) if "ops" in sections else []
+    op_rows = run_ops(a.device, a.tiny, a.sweep) if "ops" in sections else []
+    profile_rows = run_profile(a.device, a.tiny) if "profile" in sections else []
     device = torch.cuda.get_device_name() if a.device == "cuda" else platform.processor()
     meta = dict(torch=torch.__version__, device=device, triton_kernels=poetx_kernels.AVAILABLE and a.device == "cuda",
                 tiny=a.tiny)
@@ -269,7 +319,7 @@ def main() -> None:
         meta["triton"] = None
     if a.out:
         with open(a.out, "w") as f:
-            json.dump(dict(meta=meta, rows=rows, ops=op_rows), f, indent=1)
+            json.dump(dict(meta=meta, rows=rows, ops=op_rows, profile=profile_rows), f, indent=1)
         print(f"wrote {a.out}")
 
 

@@ -22,7 +22,7 @@ from fastdora.poetx.cayley import cayley_neumann, skew_size  # noqa: E402
 from fastdora.poetx.ops import poetx_linear  # noqa: E402
 
 DEV = "cuda"
-K.BLOCK_OUTER = True  # the block-gradient kernel too (off by default: slower than PyTorch on the H200)
+K.BLOCK_OUTER = True  # the block-gradient kernel (its default; set here so that a changed default keeps it tested)
 BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
 
 

@@ -152,7 +152,7 @@ if not _INNER:
 else:
     pytest.importorskip("triton")
     K.DEVICE_TYPES = ("cuda", "cpu")  # CPU tensors run the kernels through the interpreter
-    K.BLOCK_OUTER = True  # the block-gradient kernel too (off by default: slower than PyTorch on the H200)
+    K.BLOCK_OUTER = True  # the block-gradient kernel (its default; set here so that a changed default keeps it tested)
 
     def _blocks(n_blocks, b, dtype, gen):
         # near-orthogonal blocks of the size a trained layer has: I + a random matrix of norm ~0.3
@@ -223,6 +223,50 @@ else:
                 K.ROTATE_CONFIG = saved
             # the same products; the K split may change the fp32 summation order: one bf16 rounding apart
             torch.testing.assert_close(got.double(), ref.double(), rtol=2 ** -7, atol=1e-5)
+
+    @pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=lambda v: str(v).replace("torch.", ""))
+    def test_gather_and_scatter(dtype):
+        """The permutation passes: ``_gather(t, perm) == t[..., perm]`` and ``_scatter`` (a gather through the cached
+        inverse where the kernels run) inverts it, exactly, on rows with a stride of their own."""
+        gen = torch.Generator().manual_seed(2)
+        t = (torch.randn(2, 7, 27, generator=gen) * 100).to(dtype)[..., 2:26]
+        perm = torch.randperm(24, generator=gen)
+        got = ops._gather(t, perm)
+        assert torch.equal(got, t[..., perm])
+        assert torch.equal(ops._scatter(got, perm), t)
+        with _kernels_off():
+            assert torch.equal(ops._scatter(got, perm), t)
+
+    def test_inverse_permutation_follows_in_place_changes():
+        """A layer's permutations are redrawn in place at a merge: the cached inverse follows the version counter."""
+        perm = torch.randperm(16)
+        assert torch.equal(ops._inverse(perm), torch.argsort(perm))
+        perm.copy_(torch.randperm(16))
+        assert torch.equal(ops._inverse(perm), torch.argsort(perm))
+
+    @pytest.mark.parametrize("act", [F32, BF16], ids=lambda v: str(v).replace("torch.", ""))
+    def test_fused_permutation_kernels(act):
+        """PERMUTE_FUSED: the permutation read and written inside the block products' loads and stores gives what the
+        separate permutation passes give (same products and summation order)."""
+        gen = torch.Generator().manual_seed(4)
+        n, d, b = 37, 96, 32
+        t = torch.randn(n, d, generator=gen).to(act)
+        c = torch.randn(n, d, generator=gen).to(act)
+        perm = torch.randperm(d, generator=gen)
+        g = _blocks(d // b, b, F32, gen)
+        bias = torch.randn(d, generator=gen).to(act)
+        ref = [ops.rotate(t, perm, g, transpose=tr, bias=bias) for tr in (False, True)] + [
+            ops.block_outer(t, c, perm, g)]
+        saved, K.PERMUTE_FUSED = K.PERMUTE_FUSED, True
+        try:
+            with _counting("rotate", "block_outer") as calls:
+                got = [ops.rotate(t, perm, g, transpose=tr, bias=bias) for tr in (False, True)] + [
+                    ops.block_outer(t, c, perm, g)]
+        finally:
+            K.PERMUTE_FUSED = saved
+        assert calls == {"rotate": 2, "block_outer": 1}
+        for r, o in zip(ref, got):
+            torch.testing.assert_close(o, r, rtol=0, atol=0)
 
     OUTER_DTYPES = [F32, BF16, F16]
 
