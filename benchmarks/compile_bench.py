@@ -77,6 +77,12 @@ def run_worker(a) -> None:
         a.variant = "fastdora"
     model = mb.build_model(a, dev)
     model, info = mb.apply_adapter(model, a, dev)
+    if a.mode == "reduce-overhead":
+        # CUDA graph trees reuse a graph's output memory at its next replay, and a checkpointed layer replays its
+        # forward inside the backward ("accessing tensor output of CUDAGraphs that has been overwritten by a subsequent
+        # run", LoRA and fastdora alike): CUDA-graphed configs run without gradient checkpointing
+        model.get_base_model().gradient_checkpointing_disable()
+    info["gradient_checkpointing"] = a.mode != "reduce-overhead"
     if a.mode != "eager":
         # transformers' checkpointed layers trace the checkpoint inside the compiled region; a context variable that
         # the `kernels` package sets in attention would break that graph (and run the whole layer eagerly)

@@ -267,12 +267,59 @@ def run_profile(device: str, tiny: bool, top: int = 25) -> list:
                     kernels[e.key] = (us / 1e3, e.count)
             ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
             total = sum(v[0] for v in kernels.values())
-            print(f"--- {d_in}->{d_out} batch {batch} b={b} {variant}: GPU kernel time {total:.3f} ms", flush=True)
-            for k, (ms, n) in ranked:
+            host = sorted(((e.key, e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()
+                           if e.device_type == torch.autograd.DeviceType.CPU), key=lambda r: -r[1])
+            host_ms = sum(r[1] for r in host)
+            print(f"--- {d_in}->{d_out} batch {batch} b={b} {variant}: GPU kernel time {total:.3f} ms, host (self CPU "
+                  f"time of the profiled ops) {host_ms:.3f} ms", flush=True)
+            for k, ms, n in ranked:
+                print(f"   {ms:8.3f} ms  x{n:<3} {k[:110]}", flush=True)
+            print("   host, largest self CPU times:", flush=True)
+            for k, ms, n in host[:12]:
                 print(f"   {ms:8.3f} ms  x{n:<3} {k[:110]}", flush=True)
             out.append(dict(d_in=d_in, d_out=d_out, batch=batch, block=b, variant=variant, gpu_ms=total,
-                            kernels=[[k[:110], ms, n] for k, (ms, n) in ranked]))
+                            host_ms=host_ms, kernels=[[k[:110], ms, n] for k, ms, n in ranked],
+                            host=[[k[:110], ms, n] for k, ms, n in host[:top]]))
     return out
+
+
+def run_host(device: str, tiny: bool, top: int = 30) -> list:
+    """Host time of a fast-mode layer's fwd+bwd (kernels path), 4096 -> 4096, batch 1, b=256: the Python functions with
+    the largest own time under ``cProfile`` over 20 steps, printed and returned."""
+    import cProfile
+    import pstats
+
+    d, batch, b = (64, 2, 16) if tiny else (4096, 1, 256)
+    seq = TINY["seq"] if tiny else SEQ
+    weight = (torch.randn(d, d, device=device) / d ** 0.5).to(torch.bfloat16)
+    x = torch.randn(batch, seq, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(batch, seq, d, device=device, dtype=torch.bfloat16)
+    layer = _layer("poetx-fast", weight, b)
+    for _ in range(5):
+        layer(x).backward(dy)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        layer(x).backward(dy)
+    host_ms = (time.perf_counter() - t0) / 20 * 1e3  # the GPU runs behind: this is the host's time per step
+    if device == "cuda":
+        torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(20):
+        layer(x).backward(dy)
+    prof.disable()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    stats = pstats.Stats(prof)
+    rows = sorted(((f"{fn[0].rsplit('/', 2)[-1]}:{fn[1]}({fn[2]})", st[2] / 20 * 1e3, st[3] / 20 * 1e3, st[1] / 20)
+                   for fn, st in stats.stats.items()), key=lambda r: -r[1])[:top]
+    print(f"--- host time per fwd+bwd (no sync): {host_ms:.3f} ms; functions by own time per step (ms own, "
+          "ms cumulative, calls):", flush=True)
+    for name, own, cum, calls in rows:
+        print(f"   {own:8.3f} {cum:8.3f} {calls:6.1f}  {name}", flush=True)
+    return [dict(host_ms=host_ms, functions=[list(r) for r in rows])]
 
 
 def _fmt(r: dict) -> str:
@@ -286,7 +333,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (checks the script, measures nothing useful)")
-    ap.add_argument("--sections", default="layer", help="comma separated: layer (the layer grid), ops, profile")
+    ap.add_argument("--sections", default="layer", help="comma separated: layer (the layer grid), ops, profile (GPU time per kernel), "
+                    "host (cProfile)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma separated subset of {VARIANTS}")
     ap.add_argument("--sweep", action="store_true", help="ops: also the tile configurations of ROTATE_SWEEP / "
                     "OUTER_SWEEP")
@@ -303,11 +351,13 @@ def main() -> None:
         ap.error("no CUDA device (use --device cpu --tiny to check the script)")
     torch.manual_seed(0)
     sections = [x for x in a.sections.split(",") if x]
-    if set(sections) - {"layer", "ops", "profile"}:
-        ap.error(f"unknown sections {sorted(set(sections) - {'layer', 'ops', 'profile'})}")
+    known = {"layer", "ops", "profile", "host"}
+    if set(sections) - known:
+        ap.error(f"unknown sections {sorted(set(sections) - known)}")
     rows = run(a.device, a.tiny, variants) if "layer" in sections else []
     op_rows = run_ops(a.device, a.tiny, a.sweep) if "ops" in sections else []
     profile_rows = run_profile(a.device, a.tiny) if "profile" in sections else []
+    host_rows = run_host(a.device, a.tiny) if "host" in sections else []
     device = torch.cuda.get_device_name() if a.device == "cuda" else platform.processor()
     meta = dict(torch=torch.__version__, device=device, triton_kernels=poetx_kernels.AVAILABLE and a.device == "cuda",
                 tiny=a.tiny)
@@ -319,7 +369,7 @@ def main() -> None:
         meta["triton"] = None
     if a.out:
         with open(a.out, "w") as f:
-            json.dump(dict(meta=meta, rows=rows, ops=op_rows, profile=profile_rows), f, indent=1)
+            json.dump(dict(meta=meta, rows=rows, ops=op_rows, profile=profile_rows, host=host_rows), f, indent=1)
         print(f"wrote {a.out}")
 
 

@@ -198,10 +198,36 @@ def cached_norm(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor
     hit, base_sq = _cache.anchored_get(lora_B, key, wkey)
     if hit is not None:
         return hit
-    norm, base_sq_new = factored_norm(weight, lora_A, lora_B, scale, base_sq, _S.norm_budget_bytes, kernels)
-    norm = norm.to(_acc(weight, lora_A, lora_B))
+
+    def compute():
+        norm, base_sq_new = factored_norm(weight, lora_A, lora_B, scale, base_sq, _S.norm_budget_bytes, kernels)
+        return norm.to(_acc(weight, lora_A, lora_B)), base_sq_new
+
+    norm, base_sq_new = _outside_graph_pool(compute) if weight.is_cuda else compute()
     _cache.anchored_put(lora_B, key, norm, wkey, base_sq_new, base_sq is not None)
     return norm
+
+
+@functools.lru_cache(maxsize=None)
+def _pool_escape():
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastdora-norm")
+
+
+def _outside_graph_pool(compute):
+    """``compute()`` on the caller's CUDA stream and device in a helper thread, so that what it allocates (the norm
+    the cache keeps) comes from the ordinary allocator: CUDA graph trees (``mode="reduce-overhead"``) route the
+    allocations of the thread that warms up a graph to their private pool, and refuse a pool tensor that outlives the
+    graph without being one of its outputs. Grad mode and autocast are per thread: the helper has grad off and no
+    autocast, which is what the norm (detached, its own precision) needs."""
+    stream = torch.cuda.current_stream()
+
+    def run():
+        with torch.cuda.stream(stream), torch.no_grad():
+            return compute()
+
+    return _pool_escape().submit(run).result()
 
 
 def _define_norm_op() -> bool:

@@ -23,10 +23,17 @@ Block-diagonal products (``rotate``, ``block_outer``):
   shape has too few tiles to fill the GPU the tokens are split over programs and the fp32 partial sums added in a
   fixed order (deterministic).
 
-Cayley–Neumann blocks (``cayley_forward``, ``cayley_backward``), batched over the blocks, one launch per matrix
-product, every ``b×b·b×b`` product with fp32 operands (3xTF32 on the GPU, :data:`CAYLEY_PRECISION`; fp32 FMAs under
-the interpreter). The dense skew ``Q`` is unpacked once per call (one launch: ``Q[i, j] = θ``, ``Q[j, i] = −θ``) so
-that every product reads dense tiles:
+Cayley–Neumann blocks (``cayley_forward``, ``cayley_backward``), batched over the blocks, every ``b×b·b×b`` product
+with fp32 operands (3xTF32 on the GPU, :data:`CAYLEY_PRECISION`; fp32 FMAs under the interpreter). The dense skew
+``Q`` is unpacked once per call (one launch: ``Q[i, j] = θ``, ``Q[j, i] = −θ``) so that every product reads dense
+tiles. The default ``k = 3`` runs from ``Q`` and ``S = Q²`` (one launch for ``S``):
+
+- forward: ``G = I + 2Q + 2S + S·(S + 2Q)`` in one launch (the operand ``S + 2Q`` formed in the loads);
+- backward: ``∂L/∂S = 2Γ + Γ·(S − 2Q) + S·Γ`` in one launch (two products), then ``∂L/∂Q = 2Γ + 2·S·Γ −
+  (∂L/∂S)·Q − Q·(∂L/∂S)`` in one launch (three products; ``Sᵀ = S``, ``Qᵀ = −Q``), then the packing launch: five
+  launches per backward, three per forward.
+
+Other ``k``, one launch per matrix product:
 
 - forward, Horner's scheme of ``G = I + 2(Q + … + Qᵏ) + Qᵏ⁺¹``: ``H = Q·Q + 2Q + 2I``, then ``H ← H·Q + 2I``, and
   ``G = H·Q + I`` (``k`` products, ``k`` launches; ``k = 1``: ``G = Q·Q + 2Q + I`` in one launch).
@@ -333,6 +340,56 @@ if AVAILABLE:
         tl.store(out_ptr + offs, _cast_to(acc, out_ptr, SOFT_BF16), mask=mask)
 
     @triton.jit
+    def _cn_sum_kernel(
+        a1_ptr, b1_ptr, x1_ptr, a2_ptr, b2_ptr, a3_ptr, b3_ptr, z1_ptr, z2_ptr, out_ptr,
+        B, n_tiles, s1, c1, s2, s3, cz1, cz2, gamma,
+        NPROD: tl.constexpr, HAS_X1: tl.constexpr, HAS_Z2: tl.constexpr, PREC: tl.constexpr,
+        SOFT_BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        # out[k] = s1·A1[k]·(B1[k] + c1·X1[k]) + s2·A2[k]·B2[k] + s3·A3[k]·B3[k] + cz1·Z1[k] + cz2·Z2[k] + gamma·I
+        # (the first NPROD products; X1 and Z2 only when flagged); all dense fp32 [n, B, B] blocks
+        pid = tl.program_id(0)
+        per_blk = n_tiles * n_tiles
+        blk = pid // per_blk
+        ri = ((pid % per_blk) // n_tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
+        cj = (pid % n_tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
+        imask = ri < B
+        jmask = cj < B
+        dense = blk.to(tl.int64) * B * B
+        acc1 = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
+        for k0 in range(0, B, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            kmask = ks < B
+            a_offs = dense + ri[:, None] * B + ks[None, :]
+            a_mask = imask[:, None] & kmask[None, :]
+            b_offs = dense + ks[:, None] * B + cj[None, :]
+            b_mask = kmask[:, None] & jmask[None, :]
+            bt = tl.load(b1_ptr + b_offs, mask=b_mask, other=0.0)
+            if HAS_X1:
+                bt += c1 * tl.load(x1_ptr + b_offs, mask=b_mask, other=0.0)
+            acc1 = tl.dot(tl.load(a1_ptr + a_offs, mask=a_mask, other=0.0), bt, acc1, input_precision=PREC)
+            if NPROD >= 2:
+                acc2 = tl.dot(tl.load(a2_ptr + a_offs, mask=a_mask, other=0.0),
+                              tl.load(b2_ptr + b_offs, mask=b_mask, other=0.0), acc2, input_precision=PREC)
+            if NPROD >= 3:
+                acc3 = tl.dot(tl.load(a3_ptr + a_offs, mask=a_mask, other=0.0),
+                              tl.load(b3_ptr + b_offs, mask=b_mask, other=0.0), acc3, input_precision=PREC)
+        acc = s1 * acc1
+        if NPROD >= 2:
+            acc += s2 * acc2
+        if NPROD >= 3:
+            acc += s3 * acc3
+        mask = imask[:, None] & jmask[None, :]
+        offs = dense + ri[:, None] * B + cj[None, :]
+        acc += cz1 * tl.load(z1_ptr + offs, mask=mask, other=0.0)
+        if HAS_Z2:
+            acc += cz2 * tl.load(z2_ptr + offs, mask=mask, other=0.0)
+        acc += tl.where(ri[:, None] == cj[None, :], gamma, 0.0)
+        tl.store(out_ptr + offs, _cast_to(acc, out_ptr, SOFT_BF16), mask=mask)
+
+    @triton.jit
     def _pack_kernel(d_ptr, rows_ptr, cols_ptr, out_ptr, B, NPK, SOFT_BF16: tl.constexpr, BLOCK: tl.constexpr):
         # out[k, m] = D[k, rows[m], cols[m]] - D[k, cols[m], rows[m]]: the gradient of the stored θ of a skew Q
         blk = tl.program_id(1)
@@ -488,6 +545,25 @@ def _cn_step(a, b, q, v, out, size, *, sign=1.0, beta=0.0, gamma=0.0, nv=0):
     return out
 
 
+def _cn_sum(out, size, prods, *, z1, cz1=1.0, z2=None, cz2=0.0, gamma=0.0):
+    """One launch of :func:`_cn_sum_kernel`: ``prods`` is a list of up to three ``(scale, A, B)`` (the first may be
+    ``(scale, A, B, X, c)`` for ``A·(B + c·X)``); every tensor dense fp32 ``[n, b, b]``."""
+    n_blocks = out.shape[0]
+    block_t, block_k, n_tiles = _cn_tiles(size)
+    first = prods[0]
+    x1, c1 = (first[3], first[4]) if len(first) == 5 else (first[2], 0.0)
+    pad = [(0.0, first[1], first[2])] * (3 - len(prods))
+    (s1, a1, b1), (s2, a2, b2), (s3, a3, b3) = [p[:3] for p in prods] + pad
+    _cn_sum_kernel[(n_blocks * n_tiles * n_tiles,)](
+        a1, b1, x1, a2, b2, a3, b3, z1, z1 if z2 is None else z2, out,
+        size, n_tiles, float(s1), float(c1), float(s2), float(s3), float(cz1), float(cz2), float(gamma),
+        NPROD=len(prods), HAS_X1=len(first) == 5, HAS_Z2=z2 is not None,
+        PREC=CAYLEY_PRECISION if out.is_cuda else "ieee", SOFT_BF16=not out.is_cuda,
+        BLOCK_T=block_t, BLOCK_K=block_k, num_warps=4,
+    )
+    return out
+
+
 def _dense_skew(packed: torch.Tensor, size: int) -> torch.Tensor:
     """The dense fp32 skew blocks ``Q`` (``[n, b, b]``) of the packed triangles, one launch."""
     n_blocks = packed.shape[0]
@@ -508,6 +584,9 @@ def cayley_forward(packed: torch.Tensor, block_size: int, terms: int) -> torch.T
         return out
     with _device_ctx(packed):
         q = _dense_skew(packed, b)
+        if terms == 3:  # from Q and S = Q²: G = I + 2Q + 2S + S·(S + 2Q), two launches after the unpack
+            sq = _cn_step(q, q, q, None, torch.empty_like(q), b)
+            return _cn_sum(out, b, [(1.0, sq, sq, q, 2.0)], z1=sq, cz1=2.0, z2=q, cz2=2.0, gamma=1.0)
         if terms == 1:
             return _cn_step(q, q, q, None, out, b, beta=2.0, gamma=1.0)  # G = Q·Q + 2Q + I
         h = _cn_step(q, q, q, None, torch.empty_like(q), b, beta=2.0, gamma=2.0)  # H = Q·Q + 2Q + 2I
@@ -525,23 +604,42 @@ def cayley_backward(packed: torch.Tensor, grad_g: torch.Tensor, block_size: int,
         return out
     with _device_ctx(packed):
         q = _dense_skew(packed, b)
-        # R_j = Γ·Kʲ (K = Qᵀ = −Q), j = 0..k, stacked
-        r = torch.empty((k + 1, n_blocks, b, b), dtype=torch.float32, device=packed.device)
-        r[0].copy_(grad_g)
-        for j in range(1, k + 1):
-            _cn_step(r[j - 1], q, q, None, r[j], b, sign=-1.0)
-        # Horner on the left: W = R_0 (= c_{k+1}·Γ), W ← V_i − Q·W with V_i = 2·Σ_{j<k−i} R_j + R_{k−i}
-        w = r[0].clone()
-        w_next = torch.empty_like(w)
-        for i in range(k - 1, -1, -1):
-            _cn_step(q, w, q, r, w_next, b, sign=-1.0, nv=k - i + 1)
-            w, w_next = w_next, w
+        if k == 3:
+            w = _cayley3_backward(q, grad_g.to(torch.float32).contiguous(), b)
+        else:
+            w = _horner_backward(q, grad_g, b, k)
         rows, cols = _triu_idx(b, packed.device)
         npk = rows.numel()
         block = min(1024, _p2(npk))
         _pack_kernel[(_cdiv(npk, block), n_blocks)](w, rows, cols, out, b, npk, SOFT_BF16=not packed.is_cuda,
                                                      BLOCK=block, num_warps=4)
     return out
+
+
+def _cayley3_backward(q: torch.Tensor, grad: torch.Tensor, b: int) -> torch.Tensor:
+    """The dense ``∂L/∂Q`` of ``G = I + 2Q + 2S + S·M`` (``S = Q²``, ``M = 2Q + S``) from ``Γ`` (dense fp32): with
+    ``Sᵀ = S`` and ``Qᵀ = −Q``, ``∂L/∂S = 2Γ + Γ·(S − 2Q) + S·Γ`` and ``∂L/∂Q = 2Γ + 2·S·Γ − (∂L/∂S)·Q − Q·(∂L/∂S)``:
+    three launches, six products (one per product of the Horner recurrence, in half its launches)."""
+    sq = _cn_step(q, q, q, None, torch.empty_like(q), b)
+    d_s = _cn_sum(torch.empty_like(q), b, [(1.0, grad, sq, q, -2.0), (1.0, sq, grad)], z1=grad, cz1=2.0)
+    return _cn_sum(torch.empty_like(q), b, [(2.0, sq, grad), (-1.0, d_s, q), (-1.0, q, d_s)], z1=grad, cz1=2.0)
+
+
+def _horner_backward(q: torch.Tensor, grad_g: torch.Tensor, b: int, k: int) -> torch.Tensor:
+    """The dense ``∂L/∂Q`` of the ``k``-term series by Horner's scheme (see the module docstring)."""
+    n_blocks = q.shape[0]
+    # R_j = Γ·Kʲ (K = Qᵀ = −Q), j = 0..k, stacked
+    r = torch.empty((k + 1, n_blocks, b, b), dtype=torch.float32, device=q.device)
+    r[0].copy_(grad_g)
+    for j in range(1, k + 1):
+        _cn_step(r[j - 1], q, q, None, r[j], b, sign=-1.0)
+    # Horner on the left: W = R_0 (= c_{k+1}·Γ), W ← V_i − Q·W with V_i = 2·Σ_{j<k−i} R_j + R_{k−i}
+    w = r[0].clone()
+    w_next = torch.empty_like(w)
+    for i in range(k - 1, -1, -1):
+        _cn_step(q, w, q, r, w_next, b, sign=-1.0, nv=k - i + 1)
+        w, w_next = w_next, w
+    return w
 
 
 @functools.lru_cache(maxsize=None)

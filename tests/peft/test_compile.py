@@ -292,10 +292,7 @@ def _gpu_llama():
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", [
     "default",
-    pytest.param("reduce-overhead", marks=pytest.mark.xfail(
-        strict=True, raises=RuntimeError,
-        reason="known limitation: a norm the cache keeps is allocated inside the CUDA-graph pool while CUDA graph "
-               "trees warm up, which they refuse ('tensor(s) in the cudagraph pool not tracked as outputs')")),
+    "reduce-overhead",
 ])
 @pytest.mark.parametrize("setup", ["amp", "bf16"])
 def test_gpu_compiled_training_and_stale_norm(mode, setup):
