@@ -333,8 +333,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (checks the script, measures nothing useful)")
-    ap.add_argument("--sections", default="layer", help="comma separated: layer (the layer grid), ops, profile (GPU time per kernel), "
-                    "host (cProfile)")
+    ap.add_argument("--sections", default="layer", help="comma separated: layer (the layer grid), ops, "
+                    "profile (GPU time per kernel), host (cProfile)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma separated subset of {VARIANTS}")
     ap.add_argument("--sweep", action="store_true", help="ops: also the tile configurations of ROTATE_SWEEP / "
                     "OUTER_SWEEP")
