@@ -2,7 +2,7 @@
 accelerate launcher: training runs in a child process) with ``plugins: [fastdora.plugins.axolotl.FastDoraPlugin]``.
 Run inside an Axolotl venv.
 
-usage: python test_axolotl.py WORK_DIR [--plugin-options JSON]
+usage: python test_axolotl.py WORK_DIR [--plugin-options JSON] [--only dora,poetx]
 
 Two runs, same seed, DoRA on all linear layers, gradient checkpointing, fp32 on CPU:
 - fastdora: the plugin listed, Axolotl's ``lora_*_kernel`` keys left unset (Axolotl auto-enables its fused LoRA
@@ -17,6 +17,18 @@ kernels, its one ``fastdora: on, converted ...`` line and no warning about forei
 own lean forward is not one), losses equal within LOSS_ATOL, the saved adapter in stock PEFT (fresh process) gives the
 trained model's logits, and without the plugin fastdora is never imported in the training process. A third run with a
 misspelled ``fast_dora_kernal`` key must fail at config load, naming the key.
+
+POET-X (``poetx``): full training (no adapter) with ``plugins: [fastdora.plugins.axolotl.PoetXPlugin]`` and
+``poetx_block_size: 16``, ``poetx_merge_interval: 3``, gradient accumulation 2, gradient checkpointing, 8 optimizer
+steps and a checkpoint every 4; then the same config with ``resume_from_checkpoint: <run>/checkpoint-4`` in a new
+``axolotl train``. Asserts (``common.check_poetx_training`` / ``check_poetx_export``): ``poetx_report.json`` written
+by the training process (its pid is the probe's) with the converted layers and merges after optimizer steps 3 and 6
+(6 in the resumed run; every layer's merge count 2 in both), the plugin's ``fastdora POET-X: converted ...`` line, the
+loss going down, the resumed losses of steps 5-8 equal to the uninterrupted run's within LOSS_ATOL, and the model
+Axolotl saved, reloaded with fastdora (same logits as the training process's within 1e-6), exported with
+``fastdora.poetx.export`` and loaded by stock transformers in a fresh process (fastdora not imported, no missing or
+unexpected weight, plain ``nn.Linear`` layers), gives the trained model's logits within LOGITS_ATOL. A misspelled
+``poetx_blocksize`` key must fail at config load, naming it and suggesting ``poetx_block_size``.
 """
 
 from __future__ import annotations
@@ -245,10 +257,12 @@ def main() -> None:
     paths = tiny(a.work)
     version = importlib.metadata.version("axolotl")
     seeded = tuple(int(x) for x in version.split(".")[:2]) >= SEEDED_INIT_SINCE
-    if not seeded:
-        paths["init_adapter"] = make_init_adapter(paths["model"], os.path.join(a.work, "init_adapter"), TARGETS)
-    log(f"Axolotl {version}: both runs start from "
-        + ("Axolotl's own seeded adapter initialisation" if seeded else "one saved, seeded DoRA adapter"))
+    only = set(a.only.split(","))
+    if "dora" in only:
+        if not seeded:
+            paths["init_adapter"] = make_init_adapter(paths["model"], os.path.join(a.work, "init_adapter"), TARGETS)
+        log(f"Axolotl {version}: both DoRA runs start from "
+            + ("Axolotl's own seeded adapter initialisation" if seeded else "one saved, seeded DoRA adapter"))
     options = json.loads(a.plugin_options)
     bindir = os.path.dirname(sys.executable)
     env = {
@@ -261,7 +275,6 @@ def main() -> None:
         "CUDA_VISIBLE_DEVICES": "",
     }
     summary, times = {"axolotl": version, "seeded_init": seeded}, {}
-    only = set(a.only.split(","))
     if "dora" in only:
         summary.update(dora_runs(paths, a.work, env, bindir, options, times))
     if "poetx" in only:

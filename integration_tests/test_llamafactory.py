@@ -12,6 +12,15 @@ Asserts: fastdora_report.json (written in the training process; under torchrun e
 fastdora_report.json by rank 0 and fastdora_report.rank1.json by rank 1, from two processes) with counter > 0; losses
 equal within LOSS_ATOL; the saved adapter in stock PEFT (fresh process) gives the trained model's logits; without
 the key no layer is converted and the counter stays 0.
+
+POET-X (``poetx``): ``use_poetx: true`` with ``finetuning_type: full``, ``poetx_block_size: 16``,
+``poetx_merge_interval: 3``, gradient accumulation 2, LLaMA-Factory's gradient checkpointing, 8 optimizer steps and a
+checkpoint every 4, in one process; then the same config with ``resume_from_checkpoint: <run>/checkpoint-4`` in a new
+``llamafactory-cli train``. Asserts the same as the Axolotl test's POET-X part (``common.check_poetx_training`` /
+``check_poetx_export``: the report from the training process, merges after optimizer steps 3 and 6, loss going down,
+resumed losses equal within LOSS_ATOL, the saved model exported and loaded by stock transformers with the trained
+logits within LOGITS_ATOL), and that no ``fastdora_report*.json`` is written; plus two runs that must fail fast: a
+misspelled ``poetx_blocksize`` (LLaMA-Factory's unknown-key error) and ``poetx_weight_format: int4`` (naming the value).
 """
 
 from __future__ import annotations
