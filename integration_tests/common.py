@@ -144,6 +144,71 @@ def compare_logits(trained: str, stock: str, what: str, atol: float = LOGITS_ATO
     return diff
 
 
+#: POET-X runs through the frameworks' CLIs: merges every POET_MERGE_INTERVAL optimizer steps, POETX_STEPS optimizer
+#: steps of POETX_GRAD_ACCUM micro-batches each, a checkpoint every POETX_RESUME_STEP steps (checkpoint-4: one step
+#: into the second merge interval, the run resumed from it must continue the uninterrupted run's loss curve)
+POETX_MERGE_INTERVAL, POETX_STEPS, POETX_GRAD_ACCUM, POETX_RESUME_STEP = 3, 8, 2, 4
+
+
+def check_poetx_training(full: str, resumed: str, what: str) -> dict:
+    """The checks of a POET-X run through a framework's CLI and of the same run resumed from ``checkpoint-4`` of it:
+    ``poetx_report.json`` written by the training process (its pid is the probe's, which runs there) with converted
+    layers and merges after optimizer steps 3 and 6 (6 in the resumed run), the trained model's POET-X layers merged
+    twice (the probe), POETX_STEPS optimizer steps logged (gradient accumulation: the merges count optimizer steps, not
+    micro-batches), the loss going down, and the resumed run's losses after step 4 equal to the uninterrupted run's
+    within LOSS_ATOL."""
+    assert POETX_RESUME_STEP % POETX_MERGE_INTERVAL, "the checkpoint must lie inside a merge interval"
+    expected = [s for s in range(1, POETX_STEPS + 1) if s % POETX_MERGE_INTERVAL == 0]
+    out: dict = {}
+    for name, d, merges in (("uninterrupted", full, expected),
+                            ("resumed", resumed, [s for s in expected if s > POETX_RESUME_STEP])):
+        path = os.path.join(d, "poetx_report.json")
+        assert os.path.exists(path), f"{what} ({name}): {path} missing: the plugin did not write its report"
+        with open(path, encoding="utf-8") as f:
+            rep = json.load(f)
+        with open(os.path.join(d, "probe_meta.json"), encoding="utf-8") as f:
+            meta = json.load(f)
+        assert rep["method"] == "poetx" and rep["pid"] == meta["pid"] != os.getpid(), \
+            f"{what} ({name}): the report (pid {rep['pid']}) is not the training process's (pid {meta['pid']})"
+        assert rep["converted"] and len(rep["converted"]) == meta["poetx_layers"], (rep["converted"], meta)
+        assert rep["merges_at_steps"] == merges, \
+            f"{what} ({name}): merges after steps {rep['merges_at_steps']}, expected {merges}"
+        assert meta["poetx_merge_counts"] == [len(expected)], f"{what} ({name}): merge counts {meta}"
+        with open(find_trainer_state(d), encoding="utf-8") as f:
+            assert json.load(f)["global_step"] == POETX_STEPS
+        out[name] = rep
+    rep = out["uninterrupted"]
+    log(f"{what}: {len(rep['converted'])} layers converted in the training process (pid {rep['pid']}), "
+        f"{len(rep['skipped'])} skipped ({sorted(set(rep['skipped'].values()))}); merges after optimizer steps "
+        f"{rep['merges_at_steps']} (gradient accumulation {POETX_GRAD_ACCUM}), resumed run: "
+        f"{out['resumed']['merges_at_steps']}")
+    curve = losses_from_state(find_trainer_state(full))
+    assert [s for s, _ in curve] == list(range(1, POETX_STEPS + 1)), curve
+    assert curve[-1][1] < curve[0][1], f"{what}: loss did not go down: {curve}"
+    tail = [(s, loss) for s, loss in losses_from_state(find_trainer_state(resumed)) if s > POETX_RESUME_STEP]
+    diff = check_losses(tail, curve[POETX_RESUME_STEP:], what, must_decrease=False,
+                        names=(f"resumed at step {POETX_RESUME_STEP}", "uninterrupted"))
+    return {"converted_layers": len(rep["converted"]), "merges": rep["merges_at_steps"],
+            "first_last_loss": [curve[0][1], curve[-1][1]], "resume_loss_max_abs_diff": diff}
+
+
+def check_poetx_export(python: str, trained: str, tokenizer_dir: str, what: str, env=None) -> dict:
+    """Export the framework's saved POET-X model (``poetx_export.py``: reloaded with fastdora, its logits equal to the
+    training process's within 1e-6, then ``fastdora.poetx.export``), then load the export in stock transformers in a
+    fresh process (``stock_model_check.py``: fastdora not imported, no missing or unexpected weight, plain
+    ``nn.Linear`` layers): its logits equal the trained POET-X model's within LOGITS_ATOL."""
+    export_dir = os.path.join(trained, "exported")
+    reloaded = os.path.join(trained, "reloaded_logits.pt")
+    run([python, os.path.join(HERE, "poetx_export.py"), trained, tokenizer_dir, export_dir, reloaded], env=env)
+    reload_diff = compare_logits(os.path.join(trained, PROBE_FILE), reloaded, what, atol=1e-6,
+                                 stock_name="the saved POET-X model reloaded with fastdora")
+    stock_out = os.path.join(trained, "stock_logits.pt")
+    run([python, os.path.join(HERE, "stock_model_check.py"), export_dir, stock_out], env=env)
+    diff = compare_logits(os.path.join(trained, PROBE_FILE), stock_out, what,
+                          stock_name="exported model loaded in stock transformers")
+    return {"reload_logits_max_abs_diff": reload_diff, "logits_max_abs_diff": diff}
+
+
 def make_init_adapter(model_dir: str, out_dir: str, targets: list, seed: int = 0) -> str:
     """A seeded DoRA adapter (r=8, alpha=16) with non-zero lora_B, saved with PEFT: lets two runs of a framework
     that does not seed its adapter initialisation (Axolotl) start from identical weights, and exercises the full
@@ -185,5 +250,6 @@ __all__ = [
     "HERE", "REPO", "PROBE_TEXT", "LOSS_ATOL", "LOGITS_ATOL", "REPORT_FILE", "PROBE_FILE", "log", "run", "tiny",
     "losses_from_state", "find_trainer_state", "check_losses", "check_report", "check_rank_reports",
     "check_no_report", "rank_report_file", "stock_logits", "compare_logits", "write_config", "write_summary",
-    "make_init_adapter",
+    "make_init_adapter", "POETX_MERGE_INTERVAL", "POETX_STEPS", "POETX_GRAD_ACCUM", "POETX_RESUME_STEP",
+    "check_poetx_training", "check_poetx_export",
 ]

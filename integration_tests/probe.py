@@ -3,9 +3,11 @@ process, saves the trained model's logits on the probe text and what fastdora di
 
 Files written into ``args.output_dir`` (main process only):
 - ``probe_logits.pt``: logits of the trained model (eval mode, no grad) on ``_tiny.PROBE_TEXT``;
-- ``probe_meta.json``: {"fastdora_imported", "path_counter_total", "converted_layers", "pid", "world_size",
-  "init_adapter_sha256", "init_adapter_tensors"} (the last two: a checksum of the adapter's parameters at train begin,
-  so that two runs can be shown to start from the same adapter; None where the parameters are sharded).
+- ``probe_meta.json``: {"fastdora_imported", "path_counter_total", "converted_layers", "poetx_layers",
+  "poetx_merge_counts", "pid", "world_size", "init_adapter_sha256", "init_adapter_tensors"} (``poetx_layers``: the
+  trained model's POET-X layers, ``poetx_merge_counts``: their distinct merge counts, found by class name so that
+  fastdora is not imported here; the last two: a checksum of the adapter's parameters at train begin, so that two runs
+  can be shown to start from the same adapter; None where the parameters are sharded).
 
 The tokenizer is loaded from the directory in the environment variable ``FASTDORA_PROBE_TOKENIZER``.
 """
@@ -36,13 +38,17 @@ def fastdora_state(model=None) -> dict:
         counter = getattr(stats, "active_path_counter", None) or getattr(sys.modules["fastdora"], "active_path_counter",
                                                                         {})
         total = int(sum(counter.values()))
-    converted = 0
+    converted, poetx, merges = 0, 0, set()
     if model is not None:
         for m in model.modules():
             for v in (getattr(m, "lora_variant", None) or {}).values():
                 if type(v).__name__.startswith("FastDora"):
                     converted += 1
-    return {"fastdora_imported": imported, "path_counter_total": total, "converted_layers": converted}
+            if type(m).__name__ == "PoetXLinear":
+                poetx += 1
+                merges.add(int(m.merge_count))
+    return {"fastdora_imported": imported, "path_counter_total": total, "converted_layers": converted,
+            "poetx_layers": poetx, "poetx_merge_counts": sorted(merges)}
 
 
 def adapter_checksum(model) -> tuple:

@@ -37,10 +37,14 @@ __all__ = [
 #: ``merge_interval`` (optimizer steps between merges; the paper's recipes use 200),
 #: ``mode`` ("fast" keeps one more activation per layer, "mem" recomputes it: least memory),
 #: ``lr_scale`` (the ``Q`` parameters' learning rate as a fraction of the trainer's; the paper uses about half),
-#: ``exclude`` (layer names left as plain ``nn.Linear``, e.g. the output head).
-OPTION_NAMES = ("block_size", "merge_interval", "mode", "lr_scale", "exclude")
+#: ``exclude`` (layer names left as plain ``nn.Linear``, e.g. the output head),
+#: ``weight_format`` ("dense" keeps the frozen weights as they are, "int8" holds them as group-wise int8 codes with
+#: float32 scales, groups of 128 input features: about a quarter of float32's weight memory; layers whose
+#: ``in_features`` 128 does not divide are skipped and listed).
+OPTION_NAMES = ("block_size", "merge_interval", "mode", "lr_scale", "exclude", "weight_format")
 
-DEFAULTS = {"block_size": 256, "merge_interval": 200, "mode": "fast", "lr_scale": 0.5, "exclude": ("lm_head",)}
+DEFAULTS = {"block_size": 256, "merge_interval": 200, "mode": "fast", "lr_scale": 0.5, "exclude": ("lm_head",),
+            "weight_format": "dense"}
 
 #: Written into the trainer's output directory: by rank 0 under this name, by rank N as ``poetx_report.rank<N>.json``.
 REPORT_FILE = "poetx_report.json"
@@ -87,6 +91,10 @@ def collect_options(**options: Any) -> dict:
         raise ValueError(f"POET-X: lr_scale must be a number > 0, got {scale!r}")
     out["lr_scale"] = float(scale)
     out["exclude"] = _exclude_tuple(out["exclude"])
+    from fastdora.poetx.layer import WEIGHT_FORMATS
+
+    if not isinstance(out["weight_format"], str) or out["weight_format"] not in WEIGHT_FORMATS:
+        raise ValueError(f"POET-X: weight_format must be one of {list(WEIGHT_FORMATS)}, got {out['weight_format']!r}")
     return out
 
 
@@ -127,15 +135,20 @@ def convert_for_training(model: Any, options: dict, seed: int = 0):
 
     check_model(model, options["exclude"])
     inner = unwrap_model(model)
+    weight_format = options.get("weight_format", DEFAULTS["weight_format"])
     report = poetx.convert(inner, block_size=options["block_size"], merge_interval=options["merge_interval"],
-                           mode=options["mode"], exclude=options["exclude"], seed=int(seed))
+                           mode=options["mode"], exclude=options["exclude"], seed=int(seed),
+                           weight_format=weight_format)
     if not report.converted:
         reasons = "; ".join(f"{n}: {r}" for n, r in list(report.skipped.items())[:8])
         more = len(report.skipped) - 8
+        fix = "pick a block_size that divides the layers' in_features and out_features"
+        if weight_format == "int8":
+            fix += f" (and weight_format 'int8' needs in_features divisible by {report.group_size})"
         raise ValueError(
-            f"POET-X converted no layer of {type(inner).__name__} with block_size={options['block_size']} "
-            f"({reasons}{f'; and {more} more' if more > 0 else ''}); pick a block_size that divides the layers' "
-            "in_features and out_features"
+            f"POET-X converted no layer of {type(inner).__name__} with block_size={options['block_size']}"
+            f"{', weight_format=' + repr(weight_format) if weight_format != 'dense' else ''} "
+            f"({reasons}{f'; and {more} more' if more > 0 else ''}); {fix}"
         )
     return report
 
@@ -220,7 +233,8 @@ def summary_line(report: Any, options: dict) -> str:
     Q learning rate 0.5x); 2 skipped (see poetx_report.json)``."""
     line = (f"fastdora POET-X: converted {len(report.converted)} linear layer(s) (block_size={report.block_size}, "
             f"mode={report.mode!r}, merge every {report.merge_interval} steps, Q learning rate "
-            f"{options['lr_scale']:g}x)")
+            f"{options['lr_scale']:g}x"
+            + (f", int8 weights in groups of {report.group_size}" if report.weight_format == "int8" else "") + ")")
     if report.skipped:
         line += f"; {len(report.skipped)} skipped (see {REPORT_FILE})"
     return line
@@ -252,7 +266,8 @@ def report_payload(report: Any, options: dict, framework: str, merges: list, arg
     if report is not None:
         payload.update(converted=list(report.converted), skipped=dict(report.skipped),
                        trainable_parameters=int(report.trainable_parameters), seed=int(report.seed),
-                       terms=int(report.terms), report=str(report))
+                       terms=int(report.terms), weight_format=report.weight_format,
+                       group_size=int(report.group_size), report=str(report))
     payload.update(merges_at_steps=list(merges), q_group_lr=q_lr)
     return payload
 

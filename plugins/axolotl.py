@@ -40,6 +40,7 @@ adapter): ``PoetXPlugin``::
     poetx_mode: fast               # [fast] fast | mem (least memory, one more GEMM per backward)
     poetx_lr_scale: 0.5            # [0.5] learning rate of the rotations, times learning_rate
     poetx_exclude: [lm_head]       # [lm_head] layers left as they are
+    poetx_weight_format: dense     # [dense] dense | int8 (frozen weights as int8 codes, groups of 128 inputs)
 
 ``register`` rejects an unknown ``poetx_*`` key (naming the valid ones) and an ``adapter:`` (an adapter and POET-X on
 the same layer are not supported); ``pre_model_load`` checks the values; ``add_callbacks_pre_trainer`` gives the
@@ -347,6 +348,9 @@ def _build_poetx_args():
             json_schema_extra={"description": "learning rate of the rotations, times learning_rate (default 0.5)"})
         poetx_exclude: Optional[Union[list[str], str]] = Field(
             default=None, json_schema_extra={"description": "layer names left unconverted (default [lm_head])"})
+        poetx_weight_format: Optional[Literal["dense", "int8"]] = Field(
+            default=None,
+            json_schema_extra={"description": "frozen weights: dense, or int8 (group-wise codes; default dense)"})
 
     PoetXArgs.__module__ = __name__
     PoetXArgs.__qualname__ = "PoetXArgs"

@@ -36,7 +36,9 @@ merges every layer and drops the optimizer's state of ``Q``. The state to resume
 process draws the same ones and merges its own replica (nothing is broadcast). One line per process at default
 verbosity; ``poetx_report.json`` (every converted and skipped layer with the reason, the merges) in ``output_dir``.
 Options (``None``: the default): ``block_size`` (256), ``merge_interval`` (200), ``mode`` ("fast" / "mem"),
-``lr_scale`` (0.5), ``exclude`` (``("lm_head",)``).
+``lr_scale`` (0.5), ``exclude`` (``("lm_head",)``), ``weight_format`` ("dense", or "int8": the frozen weights as
+group-wise int8 codes with float32 scales in groups of 128 input features, dequantised chunk by chunk in the GEMMs and
+requantised at each merge; layers whose ``in_features`` 128 does not divide are skipped and listed).
 
 ``transformers`` is imported only when :class:`FastDoraCallback` or :class:`PoetXCallback` is first looked up, so
 importing ``fastdora.plugins`` never imports it.
@@ -180,12 +182,13 @@ def _build_poetx_class():
             mode: str | None = None,
             lr_scale: float | None = None,
             exclude: Any = None,
+            weight_format: str | None = None,
             write_report: bool = True,
             report_file: str = px.REPORT_FILE,
             framework: str = "hf",
         ):
             self.options = px.collect_options(block_size=block_size, merge_interval=merge_interval, mode=mode,
-                                              lr_scale=lr_scale, exclude=exclude)
+                                              lr_scale=lr_scale, exclude=exclude, weight_format=weight_format)
             self.write_report = write_report
             self.report_file = report_file
             self.framework = framework

@@ -41,6 +41,7 @@ POET-X (:mod:`fastdora.poetx`: full training of the model's linear layers throug
     poetx_mode: fast               # [fast] fast | mem
     poetx_lr_scale: 0.5            # [0.5] learning rate of the rotations, times learning_rate
     poetx_exclude: lm_head         # [lm_head] comma-separated layer names left as they are
+    poetx_weight_format: dense     # [dense] dense | int8 (frozen weights as int8 codes, groups of 128 inputs)
 
 The parser rejects ``use_poetx`` with another ``finetuning_type``, with ``use_fast_dora`` and bad values; the wrapped
 ``init_adapter`` records the options, and the train-time callback hands them to
@@ -183,6 +184,10 @@ def make_finetuning_arguments(base: type) -> type:
         )
         poetx_exclude: Optional[str] = dataclasses.field(
             default=None, metadata={"help": "Comma-separated layer names POET-X leaves as they are (default lm_head)."}
+        )
+        poetx_weight_format: Optional[str] = dataclasses.field(
+            default=None,
+            metadata={"help": "POET-X frozen weights: dense, or int8 (group-wise int8 codes; default dense)."},
         )
 
         def __post_init__(self):

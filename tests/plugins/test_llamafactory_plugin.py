@@ -42,7 +42,7 @@ def test_declares_exactly_the_fastdora_and_poetx_fields(args_cls):
     added = {f.name for f in dataclasses.fields(args_cls)} - {f.name for f in dataclasses.fields(FinetuningArguments)}
     assert added == {"use_fast_dora", "fast_dora_kernels", "fast_dora_legacy_embedding_compose",
                      "fast_dora_dm_from_output", "use_poetx", "poetx_block_size", "poetx_merge_interval",
-                     "poetx_mode", "poetx_lr_scale", "poetx_exclude"}
+                     "poetx_mode", "poetx_lr_scale", "poetx_exclude", "poetx_weight_format"}
     assert issubclass(args_cls, FinetuningArguments) and args_cls.__name__ == "FinetuningArguments"
     assert lf.make_finetuning_arguments(args_cls) is args_cls  # idempotent
     assert lf.make_finetuning_arguments(FinetuningArguments) is args_cls

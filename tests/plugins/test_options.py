@@ -54,6 +54,32 @@ def test_hf_callback_keywords_are_the_options():
             FastDoraCallback(**{name: 1})
 
 
+#: POET-X's options, shared by PoetXCallback, the Axolotl ``poetx_*`` keys and LLaMA-Factory's ``poetx_*`` fields
+POETX = ("block_size", "merge_interval", "mode", "lr_scale", "exclude", "weight_format")
+
+
+def test_poetx_options_are_the_same_in_every_plugin():
+    from fastdora.plugins import PoetXCallback
+    from fastdora.plugins import _poetx_common as px
+
+    assert px.OPTION_NAMES == POETX and set(px.DEFAULTS) == set(POETX)
+    params = inspect.signature(PoetXCallback.__init__).parameters
+    keywords = {n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert keywords - {"write_report", "report_file", "framework"} == set(POETX)
+    assert ax_plugin.POETX_CFG_KEYS == lf_plugin.POETX_CFG_KEYS == {f"poetx_{name}": name for name in POETX}
+
+
+@pytest.mark.parametrize("value", ["int4", "INT8", "", 8, None])
+def test_poetx_weight_format_is_validated_when_the_options_are_collected(value):
+    from fastdora.plugins import _poetx_common as px
+
+    if value is None:  # the default
+        assert px.collect_options(weight_format=None)["weight_format"] == "dense"
+        return
+    with pytest.raises(ValueError, match=rf"weight_format must be one of \['dense', 'int8'\], got {value!r}"):
+        px.collect_options(weight_format=value)
+
+
 def test_trl_exports_the_same_callback():
     from fastdora.plugins import hf, trl
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 
 import pytest
@@ -298,6 +299,66 @@ def test_trains_under_checkpointing_and_bf16(tmp_path, setting):
     assert got[-1] < got[0] - 0.1, got
 
 
+# ---------------------------------------------------------------------------------------------- int8 base
+def test_int8_weights_train_merge_and_export_to_plain_linear_layers(tmp_path):
+    """``weight_format="int8"``: every layer whose ``in_features`` 128 divides holds int8 codes and float32 scales (no
+    floating-point weight), the others are skipped with the reason in the report; merges after steps 2, 4, 6 rewrite
+    the codes; the loss is finite and goes down; ``export`` gives plain ``nn.Linear`` layers that load in stock
+    transformers with the trained model's logits."""
+    cfg = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    cb = PoetXCallback(block_size=8, merge_interval=2, weight_format="int8")
+    trainer = Trainer(model=model, args=make_args(tmp_path / "run", max_steps=6, learning_rate=3e-2),
+                      train_dataset=dataset(), callbacks=[cb])
+    converted = layers(model)
+    assert len(converted) == 12  # q, k, v, o, gate, up of 2 layers (in_features 128); down_proj has 192
+    for m in converted:
+        assert m.weight is None and m.weight_format == "int8" and m.group_size == 128
+        assert m.weight_codes.dtype == torch.int8 and m.weight_scales.dtype == torch.float32
+    assert all(type(model.model.layers[i].mlp.down_proj) is torch.nn.Linear for i in range(2))
+    codes0 = converted[0].weight_codes.clone()
+    trainer.train()
+
+    assert cb.merges == [2, 4, 6] and all(int(m.merge_count) == 3 for m in converted)
+    assert not torch.equal(converted[0].weight_codes, codes0)  # the merges requantised R·W·P
+    assert all(m.weight_codes.dtype == torch.int8 for m in converted)
+    got = [loss for _, loss in losses(trainer)]
+    assert len(got) == 6 and all(math.isfinite(x) for x in got) and got[-1] < got[0] - 0.1, got
+    with open(tmp_path / "run" / "poetx_report.json", encoding="utf-8") as f:
+        rep = json.load(f)
+    assert rep["plugin_options"]["weight_format"] == "int8"
+    assert rep["weight_format"] == "int8" and rep["group_size"] == 128 and len(rep["converted"]) == 12
+    assert rep["skipped"] == {**{f"model.layers.{i}.mlp.down_proj": "in_features 192 is not divisible by group_size "
+                                 "128 (weight_format 'int8')" for i in range(2)}, "lm_head": "excluded by 'lm_head'"}
+    assert rep["merges_at_steps"] == [2, 4, 6]
+
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(5))
+    model.eval()
+    with torch.no_grad():
+        trained = model(input_ids=ids).logits
+    poetx.export(model)
+    assert not layers(model)
+    trainer.save_model(str(tmp_path / "plain"))
+    stock, info = LlamaForCausalLM.from_pretrained(str(tmp_path / "plain"), output_loading_info=True)
+    assert not any(info.values()), info
+    linears = [m for m in stock.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 15 and all(type(m) is torch.nn.Linear and m.weight.dtype == torch.float32
+                                      for m in linears)
+    with torch.no_grad():
+        torch.testing.assert_close(stock.eval()(input_ids=ids).logits, trained, rtol=0, atol=1e-5)
+
+
+def test_int8_with_no_layer_divisible_by_the_group_size_fails_in_the_trainer_constructor(tmp_path):
+    model = tiny_llama()  # in_features 32 and 64
+    with pytest.raises(ValueError, match=r"converted no layer.*weight_format='int8'.*in_features 32 is not divisible "
+                                         r"by group_size 128.*divisible by 128"):
+        Trainer(model=model, args=make_args(tmp_path), train_dataset=dataset(),
+                callbacks=[PoetXCallback(block_size=8, weight_format="int8")])
+    assert not layers(model)
+
+
 # ---------------------------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize(
     "kw, err, needle",
@@ -310,6 +371,8 @@ def test_trains_under_checkpointing_and_bf16(tmp_path, setting):
         ({"lr_scale": 0}, ValueError, "lr_scale must be a number > 0"),
         ({"lr_scale": float("nan")}, ValueError, "lr_scale must be a number > 0"),
         ({"exclude": ["lm_head", ""]}, ValueError, "non-empty layer names"),
+        ({"weight_format": "int4"}, ValueError, r"weight_format must be one of \['dense', 'int8'\], got 'int4'"),
+        ({"weight_format": 8}, ValueError, "weight_format must be one of"),
         ({"blocksize": 8}, TypeError, "blocksize"),
     ],
 )

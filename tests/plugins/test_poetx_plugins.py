@@ -25,7 +25,8 @@ from fastdora.plugins import llamafactory as lf  # noqa: E402
 from ._support import stub_axolotl  # noqa: E402
 from .test_poetx_callback import dataset, layers, make_args, tiny_llama  # noqa: E402
 
-VALID = ["poetx_block_size", "poetx_merge_interval", "poetx_mode", "poetx_lr_scale", "poetx_exclude"]
+VALID = ["poetx_block_size", "poetx_merge_interval", "poetx_mode", "poetx_lr_scale", "poetx_exclude",
+         "poetx_weight_format"]
 
 
 @pytest.fixture(autouse=True)
@@ -53,7 +54,9 @@ def test_axolotl_valid_keys_pass_and_give_the_options():
     cfg = {"base_model": "x", "poetx_block_size": 64, "poetx_mode": "mem", "poetx_exclude": ["lm_head", "layers.0"]}
     ax.check_poetx_cfg(cfg)
     assert ax.poetx_options_from_cfg(cfg) == {"block_size": 64, "merge_interval": 200, "mode": "mem",
-                                              "lr_scale": 0.5, "exclude": ("lm_head", "layers.0")}
+                                              "lr_scale": 0.5, "exclude": ("lm_head", "layers.0"),
+                                              "weight_format": "dense"}
+    assert ax.poetx_options_from_cfg({**cfg, "poetx_weight_format": "int8"})["weight_format"] == "int8"
 
 
 @pytest.mark.parametrize("key, hint", [
@@ -79,6 +82,7 @@ def test_axolotl_refuses_an_adapter(plugin_cls):
     ({"poetx_block_size": 0}, "block_size must be an int >= 2"),
     ({"poetx_merge_interval": 0}, "merge_interval must be an int > 0"),
     ({"poetx_lr_scale": -1.0}, "lr_scale must be a number > 0"),
+    ({"poetx_weight_format": "int4"}, r"weight_format must be one of \['dense', 'int8'\], got 'int4'"),
 ])
 def test_axolotl_bad_value_fails_before_the_model_loads(plugin_cls, cfg, needle):
     with pytest.raises(ValueError, match=needle):
@@ -92,6 +96,9 @@ def test_axolotl_schema_declares_exactly_the_keys():
     assert args(poetx_mode="mem").poetx_mode == "mem"
     with pytest.raises(Exception, match="poetx_mode"):
         args(poetx_mode="slow")
+    assert args(poetx_weight_format="int8").poetx_weight_format == "int8"
+    with pytest.raises(Exception, match="poetx_weight_format"):
+        args(poetx_weight_format="int4")
 
 
 def test_axolotl_callback_converts_and_merges_in_a_trainer(plugin_cls, tmp_path):
@@ -140,9 +147,10 @@ def state(monkeypatch):
 
 def test_llamafactory_keys_parse(args_cls):
     ft = _parse(args_cls, {"finetuning_type": "full", "use_poetx": True, "poetx_block_size": 64,
-                           "poetx_exclude": "lm_head, model.layers.0"})
+                           "poetx_exclude": "lm_head, model.layers.0", "poetx_weight_format": "int8"})
     assert lf.poetx_options_from_args(ft) == {"block_size": 64, "merge_interval": 200, "mode": "fast",
-                                              "lr_scale": 0.5, "exclude": ("lm_head", "model.layers.0")}
+                                              "lr_scale": 0.5, "exclude": ("lm_head", "model.layers.0"),
+                                              "weight_format": "int8"}
 
 
 @pytest.mark.parametrize("cfg, needle", [
@@ -151,6 +159,8 @@ def test_llamafactory_keys_parse(args_cls):
     ({"finetuning_type": "full", "use_poetx": "yes"}, "use_poetx must be true or false"),
     ({"finetuning_type": "full", "use_poetx": True, "poetx_mode": "slow"}, "mode must be one of"),
     ({"finetuning_type": "full", "use_poetx": True, "poetx_merge_interval": 0}, "merge_interval must be an int > 0"),
+    ({"finetuning_type": "full", "use_poetx": True, "poetx_weight_format": "fp8"},
+     r"weight_format must be one of \['dense', 'int8'\], got 'fp8'"),
     ({"finetuning_type": "full", "use_poetx": True, "poetx_blocksize": 8}, "Some keys are not used"),
 ])
 def test_llamafactory_bad_config_fails_in_the_parser(args_cls, cfg, needle):
