@@ -1,6 +1,7 @@
 """One POET-X layer, forward + backward, at Llama-8B shapes: fastdora's POET-X (fast / mem modes, with its Triton
-kernels and with its PyTorch path) against a trainable ``nn.Linear`` and a plain PyTorch POET-X written here the
-straightforward way (blocks built with batched matmuls, separate gathers of the activations, autograd backward).
+kernels and with its PyTorch path) against a trainable ``nn.Linear`` and a plain PyTorch POET-X written the
+straightforward way (``_poetx_plain.PlainPoetX``: blocks built with batched matmuls, separate gathers of the
+activations, autograd backward).
 
 Shapes 4096→4096, 4096→14336, 14336→4096; sequence 2048, batch 1 and 4; block sizes 256 and 512; bfloat16 activations
 and weight, float32 ``Q``. Each row: the median time of ``y = layer(x); y.backward(dy)`` (``triton.testing.do_bench``
@@ -33,53 +34,14 @@ from fastdora.poetx import kernels as poetx_kernels
 from fastdora.poetx import ops as poetx_ops
 from fastdora.poetx.cayley import cayley_neumann, skew_size
 
+from _poetx_plain import PlainPoetX  # this folder is on sys.path when run as a script
+
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]
 BATCHES = [1, 4]
 SEQ = 2048
 BLOCKS = [256, 512]
 TINY = dict(shapes=[(64, 64), (64, 128), (128, 64)], batches=[1, 2], seq=16, blocks=[16, 32])
 VARIANTS = ["linear", "plain", "poetx-fast-torch", "poetx-fast", "poetx-mem"]
-
-
-class PlainPoetX(nn.Module):
-    """POET-X as plain PyTorch: the Cayley–Neumann blocks from batched matmuls, ``x[..., perm]`` gathers, a batched
-    matmul per side, the inverse permutation as another gather; autograd does the backward."""
-
-    def __init__(self, weight: torch.Tensor, block_size: int, terms: int = 3):
-        super().__init__()
-        d_out, d_in = weight.shape
-        self.b, self.terms = block_size, terms
-        self.weight = nn.Parameter(weight.detach().clone(), requires_grad=False)
-        self.q_in = nn.Parameter(torch.zeros(d_in // block_size, skew_size(block_size), device=weight.device))
-        self.q_out = nn.Parameter(torch.zeros(d_out // block_size, skew_size(block_size), device=weight.device))
-        for name, d in (("perm_in", d_in), ("perm_out", d_out)):
-            perm = torch.randperm(d, device=weight.device)
-            self.register_buffer(name, perm)
-            self.register_buffer(name + "_inv", torch.argsort(perm))
-        rows, cols = torch.triu_indices(block_size, block_size, 1, device=weight.device)
-        self.register_buffer("rows", rows)
-        self.register_buffer("cols", cols)
-
-    def _blocks(self, packed: torch.Tensor) -> torch.Tensor:
-        upper = packed.new_zeros(packed.shape[0], self.b, self.b)
-        upper[:, self.rows, self.cols] = packed
-        q = upper - upper.mT
-        power, acc = q, 2 * q
-        for _ in range(self.terms - 1):
-            power = power @ q
-            acc = acc + 2 * power
-        return acc + power @ q + torch.eye(self.b, device=q.device)
-
-    def _rotate(self, t: torch.Tensor, perm, inv, blocks) -> torch.Tensor:
-        n_blocks = blocks.shape[0]
-        tp = t[..., perm].reshape(-1, n_blocks, self.b).transpose(0, 1)  # [k, N, b]
-        out = torch.bmm(tp, blocks.mT.to(t.dtype)).transpose(0, 1).reshape(*t.shape)
-        return out[..., inv]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        z = self._rotate(x, self.perm_in, self.perm_in_inv, self._blocks(self.q_in))
-        u = z @ self.weight.T
-        return self._rotate(u, self.perm_out, self.perm_out_inv, self._blocks(self.q_out))
 
 
 def _layer(variant: str, weight: torch.Tensor, b: int) -> nn.Module:
