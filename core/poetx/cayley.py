@@ -118,13 +118,16 @@ def neumann_series_backward(q: torch.Tensor, grad_g: torch.Tensor, terms: int) -
 class _CayleyNeumann(torch.autograd.Function):
     """packed strict upper triangles -> ``G`` blocks; saves only the packed values (the powers are recomputed)."""
 
+    # the series runs in Q's dtype whatever autocast the caller is under (under bf16 autocast the PyTorch path's
+    # matmuls would otherwise run in bf16: blocks ~5e-4 away from orthogonal)
     @staticmethod
     def forward(ctx, packed: torch.Tensor, block_size: int, terms: int) -> torch.Tensor:
         ctx.save_for_backward(packed)
         ctx.block_size, ctx.terms = block_size, terms
         if _kernels.applies(packed):
             return _kernels.cayley_forward(packed, block_size, terms)
-        return neumann_series(skew_from_packed(packed, block_size), terms)
+        with torch.autocast(packed.device.type, enabled=False):
+            return neumann_series(skew_from_packed(packed, block_size), terms)
 
     @staticmethod
     def backward(ctx, grad_g: torch.Tensor):
@@ -132,8 +135,9 @@ class _CayleyNeumann(torch.autograd.Function):
         # the kernels record no graph: a double backward (create_graph=True) takes the PyTorch path
         if _kernels.applies(packed, grad_g) and not torch.is_grad_enabled():
             return _kernels.cayley_backward(packed, grad_g, ctx.block_size, ctx.terms), None, None
-        q = skew_from_packed(packed, ctx.block_size)
-        grad_q = neumann_series_backward(q, grad_g.to(q.dtype), ctx.terms)
+        with torch.autocast(packed.device.type, enabled=False):
+            q = skew_from_packed(packed, ctx.block_size)
+            grad_q = neumann_series_backward(q, grad_g.to(q.dtype), ctx.terms)
         rows, cols = _triu(ctx.block_size, packed.device)
         # Q[i, j] = θ and Q[j, i] = −θ for the stored value θ at (i, j), i < j
         return grad_q[:, rows, cols] - grad_q[:, cols, rows], None, None

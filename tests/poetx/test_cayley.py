@@ -130,3 +130,23 @@ def test_invalid_arguments():
         cayley_neumann(torch.zeros(1, 6, dtype=torch.int64), 4)
     with pytest.raises(ValueError, match="blocks"):
         orthogonality_error(torch.zeros(2, 3, 4))
+
+
+def test_autocast_does_not_lower_the_series_precision():
+    """Under a caller's bf16 autocast (a layer's forward in an AMP step) the blocks and the gradient of Q are the ones
+    computed without autocast, exactly: the series runs in Q's dtype."""
+    torch.manual_seed(4)
+    b = 16
+    packed = torch.randn(3, skew_size(b)) * (0.3 / b ** 0.5)
+    grad_g = torch.randn(3, b, b)
+
+    def run(autocast):
+        p = packed.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            g = cayley_neumann(p, b)
+        g.backward(grad_g)
+        return g, p.grad
+
+    (g_ref, d_ref), (g_amp, d_amp) = run(False), run(True)
+    assert g_amp.dtype == torch.float32
+    assert torch.equal(g_amp, g_ref) and torch.equal(d_amp, d_ref)
