@@ -103,8 +103,8 @@ run_peft_dora_tests() {  # run_peft_dora_tests VENV PEFT_VERSION
 
 VENV="$WORK/venv-test"
 
-say "venv: newest PEFT $PEFT_NEWEST (+ triton for the interpreter tests, bitsandbytes + hqq for quantized bases)"
-make_venv "$VENV" "$PEFT_NEWEST" "transformers" "triton" "bitsandbytes" "hqq"
+say "venv: newest PEFT $PEFT_NEWEST (+ triton for the interpreter tests, bitsandbytes + hqq for quantized bases, matplotlib for the benchmarks' plots)"
+make_venv "$VENV" "$PEFT_NEWEST" "transformers" "triton" "bitsandbytes" "hqq" "matplotlib"
 say "ruff check (pyflakes + pycodestyle errors; pyproject.toml [tool.ruff])"
 "$VENV/bin/ruff" check "$ROOT"
 say "fastdora tests, PEFT $PEFT_NEWEST"
