@@ -4,11 +4,14 @@
 The model and the step are ``model_bench.py``'s (random-initialised Qwen3-8B-shaped decoder, ``--layers`` layers,
 DoRA / LoRA r on q,k,v,o,gate,up,down with rsLoRA, sequence 4096, batch 1, non-reentrant gradient checkpointing,
 loss on the last 1024 tokens, an SGD lr=0 step that bumps every adapter's version counter as a real step does).
-Every decoder layer is compiled (``layer.compile(mode=...)``, regional compilation: the layers share one compiled
-graph per grad mode); mode ``eager`` runs the same model uncompiled, for reference.
+Scope ``layers``: every decoder layer is compiled (``layer.compile(mode=...)``, regional compilation: the layers
+share one compiled graph per grad mode). Scope ``model``: the whole PEFT model is wrapped in ``torch.compile`` (what
+HF Trainer's ``torch_compile=True`` does through Accelerate), measured for the first rank and setup. Mode ``eager``
+runs the same model uncompiled, for reference.
 
 Each config runs in its own process. A batch of processes builds, compiles and warms up at the same time (compilation
-is CPU work); then the parent lets them run one at a time, so each timed region has the GPU and the CPU to itself.
+is CPU work); then the parent runs their timed parts in interleaved rounds (a few iterations of each process in turn,
+one process at a time on the GPU), so that a slow drift of the GPU's clocks or temperature hits every config alike.
 
 Measures: gradient-iteration time (``--ga`` micro-batches fwd+bwd + optimizer step), inference forward time (eval,
 no_grad, the 4096-token prefill), peak allocated memory of the timed training iterations, the number of graphs
@@ -40,19 +43,24 @@ VARIANT_LABEL = {"lora": "PEFT LoRA", "peft_dora": "PEFT DoRA", "fastdora": "fas
 TARGET_TRAIN, TARGET_INFER, TARGET_VS_DORA = 1.05, 1.03, 1.8
 
 
-def plan(ranks, setups, modes) -> list:
+def plan(ranks, setups, modes, scopes=("layers",)) -> list:
     """Configs in the order they are measured: every (rank, setup) with the three variants compiled in the first
-    mode; the other modes (LoRA and fastdora; ``eager``: not compiled) at the first rank; ``fastdora_op`` (the
-    composition as fastdora's Triton custom ops, ``Settings.compiled_compose_op``) at the first rank and mode."""
+    mode and scope; the other modes (LoRA and fastdora; ``eager``: not compiled) at the first rank; ``fastdora_op``
+    (the composition as fastdora's Triton custom ops, ``Settings.compiled_compose_op``) at the first rank and mode;
+    the other scopes (the three variants) at the first rank, setup and mode. A variant's configs sit next to
+    LoRA's, so that a batch of processes holds the configs compared with each other."""
     cfgs = []
     for r in ranks:
         for s in setups:
             for v in ("lora", "fastdora", "peft_dora") + (("fastdora_op",) if r == ranks[0] else ()):
-                cfgs.append(dict(rank=r, setup=s, variant=v, mode=modes[0]))
+                cfgs.append(dict(rank=r, setup=s, variant=v, mode=modes[0], scope=scopes[0]))
     for m in modes[1:]:
         for s in setups:
             for v in ("lora", "fastdora"):
-                cfgs.append(dict(rank=ranks[0], setup=s, variant=v, mode=m))
+                cfgs.append(dict(rank=ranks[0], setup=s, variant=v, mode=m, scope=scopes[0]))
+    for sc in scopes[1:]:
+        for v in ("lora", "fastdora", "peft_dora"):
+            cfgs.append(dict(rank=ranks[0], setup=setups[0], variant=v, mode=modes[0], scope=sc))
     return cfgs
 
 
@@ -69,8 +77,8 @@ def run_worker(a) -> None:
 
     dev = torch.device(a.device)
     a.shape = "tiny" if a.tiny else "qwen3-8b"
-    variant_op = a.variant == "fastdora_op"
-    if variant_op:
+    variant = a.variant
+    if variant == "fastdora_op":
         from fastdora.config import SETTINGS
 
         SETTINGS.compiled_compose_op = True
@@ -83,14 +91,17 @@ def run_worker(a) -> None:
         # run", LoRA and fastdora alike): CUDA-graphed configs run without gradient checkpointing
         model.get_base_model().gradient_checkpointing_disable()
     info["gradient_checkpointing"] = a.mode != "reduce-overhead"
+    run = model
     if a.mode != "eager":
         # transformers' checkpointed layers trace the checkpoint inside the compiled region; a context variable that
         # the `kernels` package sets in attention would break that graph (and run the whole layer eagerly)
         if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
             torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
-        layers = model.get_base_model().model.layers
-        for layer in layers:
-            layer.compile(mode=None if a.mode == "default" else a.mode)
+        if a.scope == "model":
+            run = torch.compile(model, mode=None if a.mode == "default" else a.mode)
+        else:
+            for layer in model.get_base_model().model.layers:
+                layer.compile(mode=None if a.mode == "default" else a.mode)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(trainable, lr=0.0)
     ctx, micro, sync = mb.step_inputs(a, dev)
@@ -98,7 +109,7 @@ def run_worker(a) -> None:
 
     def loss_of(ids):
         with ctx():
-            logits = model(input_ids=ids, logits_to_keep=keep, use_cache=False).logits
+            logits = run(input_ids=ids, logits_to_keep=keep, use_cache=False).logits
         return F.cross_entropy(logits[0, :-1].float(), ids[0, -a.loss_tokens:])
 
     # CUDA graph trees (mode="reduce-overhead") reuse their outputs' memory at the next replay: mark each step
@@ -114,7 +125,7 @@ def run_worker(a) -> None:
     def infer():
         mark()
         with torch.no_grad(), ctx():
-            return model(input_ids=micro[0], logits_to_keep=1, use_cache=False).logits
+            return run(input_ids=micro[0], logits_to_keep=1, use_cache=False).logits
 
     def timed(fn):
         sync()
@@ -123,8 +134,8 @@ def run_worker(a) -> None:
         sync()
         return time.perf_counter() - t0
 
-    rec = dict(rank=a.rank, setup=a.setup, variant="fastdora_op" if variant_op else a.variant, mode=a.mode,
-               layers=a.layers, seq=a.seq, ga=a.ga,
+    rec = dict(rank=a.rank, setup=a.setup, variant=variant, mode=a.mode,
+               scope=a.scope, layers=a.layers, seq=a.seq, ga=a.ga,
                versions=dict(torch=torch.__version__), **info)
     for mod in ("transformers", "peft", "triton"):
         try:
@@ -143,21 +154,37 @@ def run_worker(a) -> None:
     graphs_after_warmup = int(counters["stats"]["unique_graphs"])
     gc.collect()
     print("READY", flush=True)
-    if sys.stdin.readline().strip() != "go":
-        sys.exit(3)
     fd = sys.modules.get("fastdora")
     if fd is not None:
         fd.active_path_counter.clear()
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    ts = [timed(grad_iter) for _ in range(a.repeats)]
+    counts = (lambda: dict(fd.active_path_counter)) if fd is not None else dict
+    train_counter, ts, ti, peak = {}, [], [], 0
+    # the parent's commands, one per round: "train K" / "infer K" (K timed iterations), "done"
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd or cmd[0] == "done":
+            break
+        k = int(cmd[1])
+        before = counts()
+        if cmd[0] == "train":
+            model.train()
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
+            ts += [timed(grad_iter) for _ in range(k)]
+            if dev.type == "cuda":
+                peak = max(peak, torch.cuda.max_memory_allocated(dev))
+            for n, v in counts().items():
+                train_counter[n] = train_counter.get(n, 0) + v - before.get(n, 0)
+        else:
+            model.eval()
+            ti += [timed(infer) for _ in range(k)]
+        print("OK", flush=True)
     rec["grad_iter_s_all"], rec["grad_iter_s"] = ts, statistics.median(ts)
     if dev.type == "cuda":
-        rec["train_peak_alloc_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9
-    train_counter = dict(fd.active_path_counter) if fd is not None else {}
+        rec["train_peak_alloc_gb"] = peak / 1e9
     model.eval()
-    ti = [timed(infer) for _ in range(a.inf_repeats)]
     rec["infer_s_all"], rec["infer_s"] = ti, statistics.median(ti)
+    model.train()
     if a.profile and dev.type == "cuda":
         rec["profile"] = profile_iteration(grad_iter, sync)
     rec["graphs_compiled"] = int(counters["stats"]["unique_graphs"])
@@ -169,7 +196,7 @@ def run_worker(a) -> None:
         rec["norm_op_calls_train"] = train_counter.get("compiled:norm_op", 0)
         # DoRA layer calls that ran outside a compiled graph (each records its path; traced calls do not)
         rec["eager_layer_calls_train"] = sum(v for k, v in train_counter.items() if k.startswith("linear:"))
-        rec["norm_counts_infer"] = {k: c.get(k, 0) - train_counter.get(k, 0) for k in c if k.startswith("norm:")}
+        rec["norm_counts_infer"] = {k: v - train_counter.get(k, 0) for k, v in c.items() if k.startswith("norm:")}
     with open(a.result, "w") as f:
         json.dump(rec, f, indent=1)
     sys.stdout.flush()
@@ -206,30 +233,39 @@ def profile_iteration(grad_iter, sync, top: int = 30) -> dict:
 def worker_cmd(c, a, result) -> list:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--result", result, "--device", a.device,
            "--rank", str(c["rank"]), "--setup", c["setup"], "--variant", c["variant"], "--mode", c["mode"],
+           "--scope", c.get("scope", "layers"),
            "--layers", str(a.layers), "--seq", str(a.seq), "--ga", str(a.ga), "--loss-tokens", str(a.loss_tokens),
-           "--warmup", str(a.warmup), "--repeats", str(a.repeats), "--inf-repeats", str(a.inf_repeats)]
+           "--warmup", str(a.warmup)]
     return cmd + (["--tiny"] if a.tiny else []) + (["--profile"] if a.profile else [])
 
 
 def run_parent(a) -> None:
     os.makedirs(a.out, exist_ok=True)
-    cfgs = plan([int(r) for r in a.ranks.split(",")], a.setups.split(","), a.modes.split(","))
+    cfgs = plan([int(r) for r in a.ranks.split(",")], a.setups.split(","), a.modes.split(","),
+                tuple(a.scopes.split(",")))
     results, t_start = [], time.time()
-    for b0 in range(0, len(cfgs), a.parallel):
+    for idx in batches(cfgs, a.parallel):
         batch = []
-        for i, c in enumerate(cfgs[b0:b0 + a.parallel], start=b0):
+        for i, c in ((i, cfgs[i]) for i in idx):
             if time.time() - t_start > a.budget_s:
                 break
             res = os.path.join(a.out, f"cfg{i:02d}.json")
             p = subprocess.Popen(worker_cmd(c, a, res), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  stderr=open(os.path.join(a.out, f"cfg{i:02d}.log"), "w"), text=True, cwd=REPO)
             batch.append((c, p, res))
-        # every process of the batch compiles and warms up first (CPU-heavy); then one at a time runs its timed part
+        # every process of the batch compiles and warms up first (CPU-heavy); then the timed parts run in interleaved
+        # rounds, one process at a time
         ready = [p.stdout.readline().strip() == "READY" for _, p, _ in batch]
-        for (c, p, res), line_ready in zip(batch, ready):
+        for phase, total in (("train", a.repeats), ("infer", a.inf_repeats)):
+            per_round = -(-total // a.rounds)
+            for _ in range(a.rounds):
+                for i, (c, p, res) in enumerate(batch):
+                    if ready[i]:
+                        ready[i] = _command(p, f"{phase} {per_round}")
+        for (c, p, res), alive in zip(batch, ready):
             rec, err = None, None
-            if line_ready:
-                p.stdin.write("go\n")
+            if alive:
+                p.stdin.write("done\n")
                 p.stdin.flush()
                 try:
                     p.wait(timeout=a.config_timeout_s)
@@ -257,9 +293,37 @@ def run_parent(a) -> None:
     report(path)
 
 
+def batches(cfgs: list, size: int) -> list:
+    """Config indices in batches of at most ``size`` (a larger group alone), each batch whole groups of configs
+    compared with each other (same rank, setup, mode and scope), so that compared configs run in interleaved rounds."""
+    groups, out = [], []
+    for i, c in enumerate(cfgs):
+        key = (c["rank"], c["setup"], c["mode"], c.get("scope"))
+        if groups and groups[-1][0] == key:
+            groups[-1][1].append(i)
+        else:
+            groups.append((key, [i]))
+    for _, idx in groups:
+        if out and len(out[-1]) + len(idx) <= size:
+            out[-1] += idx
+        else:
+            out.append(list(idx))
+    return out
+
+
+def _command(p, line: str) -> bool:
+    """Send one round's command to a worker; whether it answered OK (a failed worker closes its stdout)."""
+    try:
+        p.stdin.write(line + "\n")
+        p.stdin.flush()
+    except (BrokenPipeError, OSError):
+        return False
+    return p.stdout.readline().strip() == "OK"
+
+
 def _row(results, **k):
     for r in results:
-        if "error" not in r and all(r.get(n) == v for n, v in k.items()):
+        if "error" not in r and all(r.get(n, "layers" if n == "scope" else None) == v for n, v in k.items()):
             return r
     return None
 
@@ -269,28 +333,29 @@ def report(path: str, out_dir: str = None) -> None:
         doc = json.load(f)
     res = doc["results"]
     lines = [f"# DoRA under torch.compile ({doc['when']})", "",
-             "| rank | setup | mode | variant | grad iter (s) | vs LoRA | inference (ms) | vs LoRA | peak train (GB) "
-             "| graphs | norm computed / reused (train) |", "|" + "---|" * 11]
+             "| rank | setup | mode | scope | variant | grad iter (s) | vs LoRA | inference (ms) | vs LoRA "
+             "| peak train (GB) | graphs | norm computed / reused (train) |", "|" + "---|" * 12]
     checks = []
     for r in res:
         if "error" in r:
-            lines.append(f"| {r['rank']} | {r['setup']} | {r['mode']} | {r['variant']} | error: {r['error']} "
-                         "| | | | | | |")
+            lines.append(f"| {r['rank']} | {r['setup']} | {r['mode']} | {r.get('scope', 'layers')} | {r['variant']} "
+                         f"| error: {r['error']} | | | | | | |")
             continue
-        lora = _row(res, rank=r["rank"], setup=r["setup"], mode=r["mode"], variant="lora")
+        scope = r.get("scope", "layers")
+        lora = _row(res, rank=r["rank"], setup=r["setup"], mode=r["mode"], scope=scope, variant="lora")
         tr = r["grad_iter_s"] / lora["grad_iter_s"] if lora else float("nan")
         ir = r["infer_s"] / lora["infer_s"] if lora else float("nan")
         nc = r.get("norm_counts_train", {})
         norms = (f"{nc.get('norm:computed', 0) + nc.get('norm:computed_base_cached', 0)} / {nc.get('norm:cached', 0)}"
                  if "norm_counts_train" in r else "")
-        lines.append(f"| {r['rank']} | {r['setup']} | {r['mode']} | {VARIANT_LABEL[r['variant']]} | "
+        lines.append(f"| {r['rank']} | {r['setup']} | {r['mode']} | {scope} | {VARIANT_LABEL[r['variant']]} | "
                      f"{r['grad_iter_s']:.4f} | {tr:.3f}x | {r['infer_s'] * 1e3:.2f} | {ir:.3f}x | "
                      f"{r.get('train_peak_alloc_gb', float('nan')):.2f} | {r['graphs_compiled']} | {norms} |")
         if r["variant"] == "fastdora" and r["mode"] != "eager" and lora:
-            tag = f"r={r['rank']} {r['setup']} {r['mode']}"
+            tag = f"r={r['rank']} {r['setup']} {r['mode']} {scope}"
             checks.append((f"{tag}: train fastdora / LoRA", tr, TARGET_TRAIN, tr <= TARGET_TRAIN))
             checks.append((f"{tag}: inference fastdora / LoRA", ir, TARGET_INFER, ir <= TARGET_INFER))
-            dora = _row(res, rank=r["rank"], setup=r["setup"], mode=r["mode"], variant="peft_dora")
+            dora = _row(res, rank=r["rank"], setup=r["setup"], mode=r["mode"], scope=scope, variant="peft_dora")
             if dora:
                 sp = dora["grad_iter_s"] / r["grad_iter_s"]
                 checks.append((f"{tag}: train PEFT DoRA / fastdora", sp, TARGET_VS_DORA, sp >= TARGET_VS_DORA))
@@ -317,6 +382,10 @@ def build_parser():
     p.add_argument("--setups", default="amp,bf16")
     p.add_argument("--modes", default="default,reduce-overhead",
                    help="torch.compile modes; the first is measured for every rank and setup")
+    p.add_argument("--scopes", default="layers,model",
+                   help="what is compiled: layers (each decoder layer), model (the whole PEFT model, as HF Trainer "
+                        "does); the first is measured for every config, the others at the first rank and setup")
+    p.add_argument("--rounds", type=int, default=4, help="interleaved rounds the timed iterations are split into")
     p.add_argument("--parallel", type=int, default=8, help="processes building and compiling at the same time")
     p.add_argument("--budget-s", type=float, default=480.0, help="start no batch after this many seconds")
     p.add_argument("--config-timeout-s", type=float, default=120.0)
@@ -329,13 +398,14 @@ def build_parser():
     p.add_argument("--setup", default="amp", choices=["amp", "bf16"])
     p.add_argument("--variant", default="fastdora", choices=list(VARIANT_LABEL))
     p.add_argument("--mode", default="default")
+    p.add_argument("--scope", default="layers", choices=["layers", "model"])
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--ga", type=int, default=4)
     p.add_argument("--loss-tokens", type=int, default=1024)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--inf-repeats", type=int, default=7)
+    p.add_argument("--repeats", type=int, default=8, help="timed gradient iterations per config")
+    p.add_argument("--inf-repeats", type=int, default=12, help="timed inference forwards per config")
     return p
 
 

@@ -19,6 +19,7 @@ graph must not replay a cache lookup, so ``mode="reduce-overhead"`` captures the
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Optional
 
 import torch
@@ -203,9 +204,27 @@ def cached_norm(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor
         norm, base_sq_new = factored_norm(weight, lora_A, lora_B, scale, base_sq, _S.norm_budget_bytes, kernels)
         return norm.to(_acc(weight, lora_A, lora_B)), base_sq_new
 
-    norm, base_sq_new = _outside_graph_pool(compute) if weight.is_cuda else compute()
+    if weight.is_cuda and _graph_trees_exist():
+        norm, base_sq_new = _outside_graph_pool(compute)
+    else:
+        with torch.no_grad():
+            norm, base_sq_new = compute()
     _cache.anchored_put(lora_B, key, norm, wkey, base_sq_new, base_sq is not None)
     return norm
+
+
+def _graph_trees_exist() -> bool:
+    """Whether this process has CUDA graph trees (a model compiled with ``mode="reduce-overhead"``), whose warm-up
+    would route the norm's allocation to a graph pool: only then does :func:`cached_norm` pay for the helper thread
+    (measured on the H200 under default-mode compilation: 9 ms of a 0.22 s gradient iteration, Qwen3-8B shapes, 4
+    layers). Unknown internals of another torch: True (the helper thread is always correct)."""
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is None:
+        return False
+    try:
+        return bool(trees.get_obj(trees.local, "tree_manager_containers"))
+    except Exception:  # noqa: BLE001
+        return True
 
 
 @functools.lru_cache(maxsize=None)

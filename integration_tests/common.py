@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -29,6 +30,14 @@ PROBE_FILE = "probe_logits.pt"
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (a torchrun rendezvous port: a fixed one collides with any other job on the
+    machine that holds it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def run(cmd, env=None, cwd=None, log_path=None, timeout=900) -> float:

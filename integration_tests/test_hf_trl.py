@@ -37,8 +37,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
-    HERE, PROBE_FILE, check_losses, check_no_report, check_rank_reports, check_report, compare_logits, log, run,
-    stock_logits, tiny, write_summary,
+    HERE, PROBE_FILE, check_losses, check_no_report, check_rank_reports, check_report, compare_logits, free_port,
+    log, run, stock_logits, tiny, write_summary,
 )
 
 DATA = {"hf": "text", "sft": "text", "dpo": "preference"}
@@ -86,8 +86,9 @@ def one_fsdp2(work: str, paths: dict, plugin_options: str, steps: int = 4) -> di
     out, times = {}, {}
     for mode in ("fastdora", "stock"):
         d = os.path.join(work, f"fsdp2_{mode}")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
-               os.path.join(HERE, "hf_job.py"), "--trainer", "hf", "--fsdp2", "--model", paths["model"],
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_port", str(free_port()), os.path.join(HERE, "hf_job.py"), "--trainer", "hf", "--fsdp2",
+               "--model", paths["model"],
                "--data", paths["text"], "--out", d, "--steps", str(steps)]
         if mode == "fastdora":
             cmd += ["--fastdora", "--fastdora-options", plugin_options]

@@ -58,6 +58,8 @@ from typing import Optional
 
 import torch
 
+from ..kernels import _launch
+
 try:  # pragma: no cover - exercised wherever triton is installed
     import triton
     import triton.language as tl
@@ -406,17 +408,17 @@ if AVAILABLE:
 # launchers
 # --------------------------------------------------------------------------------------------------------------------
 
+# each kernel's later launches with a seen specialisation skip Triton's JIT dispatch (:class:`fastdora.kernels._launch.
+# Launcher`: a few microseconds instead of tens; a layer's fwd+bwd launches fourteen of them)
+if AVAILABLE:
+    _ROTATE = _launch.Launcher(_rotate_kernel)
+    _OUTER = _launch.Launcher(_outer_kernel)
+    _UNPACK = _launch.Launcher(_unpack_kernel)
+    _CN_STEP = _launch.Launcher(_cn_step_kernel)
+    _CN_SUM = _launch.Launcher(_cn_sum_kernel)
+    _PACK = _launch.Launcher(_pack_kernel)
 
-def _device_ctx(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else _NullCtx()
-
-
-class _NullCtx:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
+_device_ctx = _launch.device_ctx
 
 
 def _parts(t_dtype: torch.dtype, g_dtype: torch.dtype) -> int:
@@ -469,13 +471,10 @@ def rotate(
     n_ctiles = _cdiv(b, block_c)
     grid = (n_blocks // per_prog * n_ctiles, _cdiv(n_rows, block_m))
     with _device_ctx(t):
-        _rotate_kernel[grid](
-            t2, perm, g, bias_t, out,
-            n_rows, b, t2.stride(0), out.stride(0), n_ctiles, per_prog,
-            TRANSPOSE=bool(transpose), HAS_BIAS=bias is not None, PARTS=_parts(t.dtype, g.dtype),
-            UPCAST=not t.is_cuda, SOFT_BF16=not t.is_cuda, GATHER=gather,
-            BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_K=block_k, num_warps=warps,
-        )
+        _ROTATE(grid, (t2, perm, g, bias_t, out), (n_rows, b, t2.stride(0), out.stride(0), n_ctiles, per_prog), (),
+                # TRANSPOSE, HAS_BIAS, PARTS, UPCAST, SOFT_BF16, GATHER, BLOCK_M, BLOCK_C, BLOCK_K
+                (bool(transpose), bias is not None, _parts(t.dtype, g.dtype), not t.is_cuda, not t.is_cuda, gather,
+                 block_m, block_c, block_k), warps)
     return out.reshape(*t.shape[:-1], d)
 
 
@@ -516,12 +515,10 @@ def block_outer(a: torch.Tensor, b: torch.Tensor, perm: Optional[torch.Tensor], 
     else:
         out = torch.empty((n_split, *blocks.shape), dtype=torch.float32, device=blocks.device)
     with _device_ctx(a):
-        _outer_kernel[(tiles, n_split)](
-            a2, b2, perm, out,
-            n_rows, size, a2.stride(0), b2.stride(0), n_ctiles, n_ctiles, rows_per_prog, blocks.numel(), 0.0,
-            HALF=half, UPCAST=not a.is_cuda, SOFT_BF16=not a.is_cuda, GATHER=gather,
-            BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_J=block_j, num_warps=cfg.get("warps", 8),
-        )
+        _OUTER((tiles, n_split), (a2, b2, perm, out),
+               (n_rows, size, a2.stride(0), b2.stride(0), n_ctiles, n_ctiles, rows_per_prog, blocks.numel()), (0.0,),
+               # HALF, UPCAST, SOFT_BF16, GATHER, BLOCK_N, BLOCK_C, BLOCK_J
+               (half, not a.is_cuda, not a.is_cuda, gather, block_n, block_c, block_j), cfg.get("warps", 8))
     if n_split == 1:
         return out
     return out.sum(0).to(blocks.dtype)  # fixed order over the splits
@@ -536,12 +533,10 @@ def _cn_step(a, b, q, v, out, size, *, sign=1.0, beta=0.0, gamma=0.0, nv=0):
     """One launch of :func:`_cn_step_kernel` over all blocks (see its comment); a, b, q, v dense fp32."""
     n_blocks = q.shape[0]
     block_t, block_k, n_tiles = _cn_tiles(size)
-    _cn_step_kernel[(n_blocks * n_tiles * n_tiles,)](
-        a, b, q, out if v is None else v, out,
-        size, n_tiles, nv, 0 if v is None or nv == 0 else v[0].numel(), float(sign), float(beta), float(gamma),
-        ADD_Q=beta != 0.0, PREC=CAYLEY_PRECISION if q.is_cuda else "ieee", SOFT_BF16=not q.is_cuda,
-        BLOCK_T=block_t, BLOCK_K=block_k, num_warps=4,
-    )
+    _CN_STEP((n_blocks * n_tiles * n_tiles,), (a, b, q, out if v is None else v, out),
+             (size, n_tiles, nv, 0 if v is None or nv == 0 else v[0].numel()), (float(sign), float(beta), float(gamma)),
+             # ADD_Q, PREC, SOFT_BF16, BLOCK_T, BLOCK_K
+             (beta != 0.0, CAYLEY_PRECISION if q.is_cuda else "ieee", not q.is_cuda, block_t, block_k), 4)
     return out
 
 
@@ -554,13 +549,12 @@ def _cn_sum(out, size, prods, *, z1, cz1=1.0, z2=None, cz2=0.0, gamma=0.0):
     x1, c1 = (first[3], first[4]) if len(first) == 5 else (first[2], 0.0)
     pad = [(0.0, first[1], first[2])] * (3 - len(prods))
     (s1, a1, b1), (s2, a2, b2), (s3, a3, b3) = [p[:3] for p in prods] + pad
-    _cn_sum_kernel[(n_blocks * n_tiles * n_tiles,)](
-        a1, b1, x1, a2, b2, a3, b3, z1, z1 if z2 is None else z2, out,
-        size, n_tiles, float(s1), float(c1), float(s2), float(s3), float(cz1), float(cz2), float(gamma),
-        NPROD=len(prods), HAS_X1=len(first) == 5, HAS_Z2=z2 is not None,
-        PREC=CAYLEY_PRECISION if out.is_cuda else "ieee", SOFT_BF16=not out.is_cuda,
-        BLOCK_T=block_t, BLOCK_K=block_k, num_warps=4,
-    )
+    _CN_SUM((n_blocks * n_tiles * n_tiles,), (a1, b1, x1, a2, b2, a3, b3, z1, z1 if z2 is None else z2, out),
+            (size, n_tiles),
+            (float(s1), float(c1), float(s2), float(s3), float(cz1), float(cz2), float(gamma)),
+            # NPROD, HAS_X1, HAS_Z2, PREC, SOFT_BF16, BLOCK_T, BLOCK_K
+            (len(prods), len(first) == 5, z2 is not None, CAYLEY_PRECISION if out.is_cuda else "ieee",
+             not out.is_cuda, block_t, block_k), 4)
     return out
 
 
@@ -569,8 +563,7 @@ def _dense_skew(packed: torch.Tensor, size: int) -> torch.Tensor:
     n_blocks = packed.shape[0]
     block_t, _, n_tiles = _cn_tiles(size)
     q = torch.empty((n_blocks, size, size), dtype=torch.float32, device=packed.device)
-    _unpack_kernel[(n_blocks * n_tiles * n_tiles,)](packed, q, size, packed.shape[1], n_tiles, BLOCK_T=block_t,
-                                                     num_warps=4)
+    _UNPACK((n_blocks * n_tiles * n_tiles,), (packed, q), (size, packed.shape[1], n_tiles), (), (block_t,), 4)
     return q
 
 
@@ -611,8 +604,7 @@ def cayley_backward(packed: torch.Tensor, grad_g: torch.Tensor, block_size: int,
         rows, cols = _triu_idx(b, packed.device)
         npk = rows.numel()
         block = min(1024, _p2(npk))
-        _pack_kernel[(_cdiv(npk, block), n_blocks)](w, rows, cols, out, b, npk, SOFT_BF16=not packed.is_cuda,
-                                                     BLOCK=block, num_warps=4)
+        _PACK((_cdiv(npk, block), n_blocks), (w, rows, cols, out), (b, npk), (), (not packed.is_cuda, block), 4)
     return out
 
 
