@@ -99,7 +99,11 @@ def main() -> None:
     state = fastdora_state(trainer.model)
     if trainer.args.process_index == 0:
         with open(os.path.join(a.out, "losses.json"), "w", encoding="utf-8") as f:
-            json.dump({"losses": losses, "final_state": state, "world_size": trainer.args.world_size}, f)
+            # what accelerate ran: on a machine without GPUs a Trainer given fsdp_config runs DDP (accelerate has no
+            # FSDP for MULTI_CPU)
+            engine = str(getattr(trainer.accelerator.state, "distributed_type", "unknown"))
+            json.dump({"losses": losses, "final_state": state, "world_size": trainer.args.world_size,
+                       "engine": engine, "fsdp": bool(getattr(trainer, "is_fsdp_enabled", False))}, f)
     print(json.dumps({"losses": losses, **state}))
 
 

@@ -10,11 +10,13 @@ For each trainer: one run with the callback, one without (same seed, separate pr
 - the saved adapter loads in stock PEFT in a fresh process (fastdora not imported) and gives the trained model's
   logits within LOGITS_ATOL,
 - without the callback nothing of fastdora runs (no report, fastdora never imported, no converted layer).
-``fsdp2``: the HF Trainer run under torchrun with 2 processes (gloo on CPU) and accelerate's FSDP2 (one unit per
+``fsdp2``: the HF Trainer run under torchrun with 2 processes and ``fsdp_config={"version": 2}`` (one unit per
 decoder layer), with and without the callback: each rank wrote its own report (``fastdora_report.json`` on rank 0,
 ``fastdora_report.rank1.json`` on rank 1) showing converted layers on which fastdora's path ran, the norm was
 computed exactly once per layer per optimizer step on each rank, the loss curves agree within LOSS_ATOL, and nothing
-of fastdora ran without the callback.
+of fastdora ran without the callback. On a machine without GPUs accelerate runs this as DDP (it has no FSDP for
+``MULTI_CPU``); the engine it ran is recorded in the summary and asserted to be FSDP where CUDA is present. Sharded
+DoRA on CPU is covered by ``tests/peft/test_distributed.py`` (FSDP1 / FSDP2 / ZeRO without a trainer).
 ``hf_compile``: the HF Trainer run with ``torch_compile=True`` and the callback: the norm computed once per layer per
 optimizer step inside the compiled model, the losses equal to the eager runs' (fastdora and stock PEFT).
 ``poetx_hf`` / ``poetx_sft``: full training with ``fastdora.plugins.PoetXCallback`` (HF Trainer / TRL SFTTrainer,
@@ -82,7 +84,9 @@ def one(trainer: str, work: str, paths: dict, plugin_options: str) -> dict:
 
 
 def one_fsdp2(work: str, paths: dict, plugin_options: str, steps: int = 4) -> dict:
-    what = "HF Trainer + FSDP2 (2 processes)"
+    import torch
+
+    what = "HF Trainer + fsdp_config version 2 (2 processes)"
     out, times = {}, {}
     for mode in ("fastdora", "stock"):
         d = os.path.join(work, f"fsdp2_{mode}")
@@ -99,6 +103,8 @@ def one_fsdp2(work: str, paths: dict, plugin_options: str, steps: int = 4) -> di
     fast = json.load(open(os.path.join(out["fastdora"], "losses.json")))
     stock = json.load(open(os.path.join(out["stock"], "losses.json")))
     assert fast["world_size"] == 2 and stock["world_size"] == 2, (fast["world_size"], stock["world_size"])
+    if torch.cuda.is_available():
+        assert fast["fsdp"] and stock["fsdp"], f"{what}: accelerate did not run FSDP: {fast.get('engine')}"
     assert not stock["final_state"]["fastdora_imported"], f"{what}: fastdora imported without the callback"
     for rank, rep in enumerate(reps):
         counter = rep["active_path_counter"]
@@ -107,7 +113,8 @@ def one_fsdp2(work: str, paths: dict, plugin_options: str, steps: int = 4) -> di
             f"{what}: rank {rank}: norm computed {computed} times for {rep['fastdora_layers']} layers x {steps} " \
             f"steps: {counter}"
     diff = check_losses(fast["losses"], stock["losses"], what)
-    return {"trainer": what, "loss_max_abs_diff": diff, "path_counter": [rep["active_path_counter"] for rep in reps],
+    return {"trainer": what, "engine": fast.get("engine"), "fsdp": fast.get("fsdp"), "loss_max_abs_diff": diff,
+            "path_counter": [rep["active_path_counter"] for rep in reps],
             "fastdora_layers": [rep["fastdora_layers"] for rep in reps],
             "seconds": {k: round(v, 1) for k, v in times.items()}}
 

@@ -418,3 +418,17 @@ def test_a_callback_added_after_construction_fails_at_train_begin(tmp_path):
     trainer.add_callback(PoetXCallback(block_size=8))
     with pytest.raises(RuntimeError, match="trainer's constructor"):
         trainer.train()
+
+
+
+@pytest.mark.parametrize("engine", ["deepspeed", "fsdp"])
+def test_the_trainers_deepspeed_and_fsdp_fail_before_conversion(tmp_path, engine):
+    """What the trainer reports of its engine decides (accelerate gives no FSDP or DeepSpeed on a CPU, so the flags are
+    set on a real trainer): refused with the way out named, the model left as it was."""
+    model = tiny_llama()
+    trainer = Trainer(model=model, args=make_args(tmp_path), train_dataset=dataset())
+    trainer.is_deepspeed_enabled = engine == "deepspeed"
+    trainer.is_fsdp_enabled = engine == "fsdp"
+    with pytest.raises(ValueError, match="DeepSpeed and FSDP are not supported.*fully_shard"):
+        PoetXCallback(block_size=8)._attach(trainer)
+    assert not layers(model)
