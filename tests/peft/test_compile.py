@@ -384,3 +384,23 @@ def test_gpu_compiled_training_and_stale_norm(mode, scope, mark, setup):
             want = eager(input_ids=ids).logits.float()
     err = ((got - want).norm() / want.norm()).item()
     assert err < 2e-2, err
+
+
+def test_norm_helper_thread_only_with_cuda_graph_trees(monkeypatch):
+    """The norm of a cache miss leaves the calling thread (to keep its memory out of CUDA-graph pools) only where CUDA
+    graph trees exist in the process: no trees module, or no tree manager yet, computes it on the calling thread."""
+    import sys
+    import threading
+    import types
+
+    monkeypatch.delitem(sys.modules, "torch._inductor.cudagraph_trees", raising=False)
+    assert not dispatch._graph_trees_exist()
+    containers: dict = {}
+    fake = types.SimpleNamespace(local=threading.local(), get_obj=lambda local, name: containers)
+    monkeypatch.setitem(sys.modules, "torch._inductor.cudagraph_trees", fake)
+    assert not dispatch._graph_trees_exist()
+    containers[0] = object()  # a tree manager container for device 0
+    assert dispatch._graph_trees_exist()
+    # internals this code does not know: the helper thread (always correct)
+    monkeypatch.setitem(sys.modules, "torch._inductor.cudagraph_trees", types.SimpleNamespace())
+    assert dispatch._graph_trees_exist()
