@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 
 from ..config import SETTINGS as _S
-from . import _launch
+from .. import _launch
 
 _cdiv = _launch.cdiv  # module global: one lookup less on the launch path
 

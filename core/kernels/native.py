@@ -175,7 +175,7 @@ def _load():
 
 
 def _configure(mod) -> None:
-    from . import _launch
+    from .. import _launch
     from . import compose as kc
 
     if _FALLBACKS is None:
@@ -211,7 +211,7 @@ def _self_check(mod) -> Optional[str]:
     """Launch a tiny composition forward and backward (bf16, 64 x 256) through Triton's launcher, then the same
     through the node's direct launch, and compare bitwise; None if equal, else why not. Not during a CUDA graph
     capture (no synchronisation possible there: the direct launch then stays off)."""
-    from . import _launch
+    from .. import _launch
     from . import compose as kc
 
     if _launch.capturing():

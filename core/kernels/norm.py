@@ -53,7 +53,7 @@ from typing import Optional
 import torch
 
 from ..config import SETTINGS as _S
-from . import _launch
+from .. import _launch
 
 try:  # pragma: no cover
     import triton

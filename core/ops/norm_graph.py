@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from ..kernels import _launch
+from .. import _launch
 
 __all__ = ["NormGraph", "signature", "capture"]
 

@@ -58,7 +58,7 @@ from typing import Optional
 
 import torch
 
-from ..kernels import _launch
+from .. import _launch
 
 try:  # pragma: no cover - exercised wherever triton is installed
     import triton
@@ -408,7 +408,7 @@ if AVAILABLE:
 # launchers
 # --------------------------------------------------------------------------------------------------------------------
 
-# each kernel's later launches with a seen specialisation skip Triton's JIT dispatch (:class:`fastdora.kernels._launch.
+# each kernel's later launches with a seen specialisation skip Triton's JIT dispatch (:class:`fastdora._launch.
 # Launcher`: a few microseconds instead of tens; a layer's fwd+bwd launches fourteen of them)
 if AVAILABLE:
     _ROTATE = _launch.Launcher(_rotate_kernel)

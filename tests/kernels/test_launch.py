@@ -1,4 +1,4 @@
-"""The low-overhead Triton launcher (``fastdora.kernels._launch``): the first launch of every specialisation goes
+"""The low-overhead Triton launcher (``fastdora._launch``): the first launch of every specialisation goes
 through the JIT, later ones through the compiled kernel, and anything Triton specialises on starts a new entry.
 
 The fast path itself needs a GPU (``tests/kernels/test_kernels_gpu.py`` runs every kernel through it); here a
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-launch = pytest.importorskip("fastdora.kernels._launch")
+launch = pytest.importorskip("fastdora._launch")
 
 
 class _Compiled:

@@ -96,7 +96,7 @@ if not _INNER:
         the stream slot is the current CUDA stream on a GPU, None here)."""
         pytest.importorskip("triton")
         monkeypatch.setenv("FASTDORA_CACHE_DIR", cache_dir)
-        from fastdora.kernels import _launch
+        from fastdora import _launch
         from fastdora.kernels import compose as kc
         from fastdora.kernels import native
 
@@ -213,7 +213,7 @@ if not _INNER:
         import struct
         pytest.importorskip("triton")
         monkeypatch.setenv("FASTDORA_CACHE_DIR", cache_dir)
-        from fastdora.kernels import _launch
+        from fastdora import _launch
         from fastdora.kernels import compose as kc
         from fastdora.kernels import native
 

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from .. import compat
+from . import compat
 
 try:  # pragma: no cover - exercised wherever triton is installed
     from triton.runtime.jit import JITFunction
