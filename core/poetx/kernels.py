@@ -58,7 +58,8 @@ from typing import Optional
 
 import torch
 
-from .. import _launch
+from .._launch import Launcher as _Launcher
+from .._launch import device_ctx as _device_ctx
 
 try:  # pragma: no cover - exercised wherever triton is installed
     import triton
@@ -411,14 +412,13 @@ if AVAILABLE:
 # each kernel's later launches with a seen specialisation skip Triton's JIT dispatch (:class:`fastdora._launch.
 # Launcher`: a few microseconds instead of tens; a layer's fwd+bwd launches fourteen of them)
 if AVAILABLE:
-    _ROTATE = _launch.Launcher(_rotate_kernel)
-    _OUTER = _launch.Launcher(_outer_kernel)
-    _UNPACK = _launch.Launcher(_unpack_kernel)
-    _CN_STEP = _launch.Launcher(_cn_step_kernel)
-    _CN_SUM = _launch.Launcher(_cn_sum_kernel)
-    _PACK = _launch.Launcher(_pack_kernel)
+    _ROTATE = _Launcher(_rotate_kernel)
+    _OUTER = _Launcher(_outer_kernel)
+    _UNPACK = _Launcher(_unpack_kernel)
+    _CN_STEP = _Launcher(_cn_step_kernel)
+    _CN_SUM = _Launcher(_cn_sum_kernel)
+    _PACK = _Launcher(_pack_kernel)
 
-_device_ctx = _launch.device_ctx
 
 
 def _parts(t_dtype: torch.dtype, g_dtype: torch.dtype) -> int:

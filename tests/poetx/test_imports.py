@@ -1,5 +1,6 @@
 """fastdora.poetx stands alone: it imports torch and the standard library, never transformers or peft, and of
-fastdora only the shared base modules (config, compat, stats), none of the DoRA implementation. Its Triton kernels
+fastdora only the shared base modules (config, compat, stats, and _launch, the cached Triton launcher), none of the
+DoRA implementation. Its Triton kernels
 (kernels*.py, the only modules that may import triton) live inside it."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import sys
 from pathlib import Path
 
 POETX = Path(__file__).resolve().parents[2] / "core" / "poetx"
-ALLOWED_PARENT = {"config", "compat", "stats"}
+ALLOWED_PARENT = {"config", "compat", "stats", "_launch"}
 
 
 def _imports(path: Path):
