@@ -182,9 +182,8 @@ def run_worker(a) -> None:
     rec["grad_iter_s_all"], rec["grad_iter_s"] = ts, statistics.median(ts)
     if dev.type == "cuda":
         rec["train_peak_alloc_gb"] = peak / 1e9
-    model.eval()
     rec["infer_s_all"], rec["infer_s"] = ti, statistics.median(ti)
-    model.train()
+    model.train()  # (the profiled iteration below trains)
     if a.profile and dev.type == "cuda":
         rec["profile"] = profile_iteration(grad_iter, sync)
     rec["graphs_compiled"] = int(counters["stats"]["unique_graphs"])
@@ -233,7 +232,7 @@ def profile_iteration(grad_iter, sync, top: int = 30) -> dict:
 def worker_cmd(c, a, result) -> list:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--result", result, "--device", a.device,
            "--rank", str(c["rank"]), "--setup", c["setup"], "--variant", c["variant"], "--mode", c["mode"],
-           "--scope", c.get("scope", "layers"),
+           "--scope", c["scope"],
            "--layers", str(a.layers), "--seq", str(a.seq), "--ga", str(a.ga), "--loss-tokens", str(a.loss_tokens),
            "--warmup", str(a.warmup)]
     return cmd + (["--tiny"] if a.tiny else []) + (["--profile"] if a.profile else [])
@@ -321,9 +320,14 @@ def _command(p, line: str) -> bool:
     return p.stdout.readline().strip() == "OK"
 
 
+def _scope(r: dict) -> str:
+    """A result's compile scope (results saved before the whole-model scope existed: each layer compiled)."""
+    return r.get("scope", "layers")
+
+
 def _row(results, **k):
     for r in results:
-        if "error" not in r and all(r.get(n, "layers" if n == "scope" else None) == v for n, v in k.items()):
+        if "error" not in r and all((_scope(r) if n == "scope" else r.get(n)) == v for n, v in k.items()):
             return r
     return None
 
@@ -338,10 +342,10 @@ def report(path: str, out_dir: str = None) -> None:
     checks = []
     for r in res:
         if "error" in r:
-            lines.append(f"| {r['rank']} | {r['setup']} | {r['mode']} | {r.get('scope', 'layers')} | {r['variant']} "
+            lines.append(f"| {r['rank']} | {r['setup']} | {r['mode']} | {_scope(r)} | {r['variant']} "
                          f"| error: {r['error']} | | | | | | |")
             continue
-        scope = r.get("scope", "layers")
+        scope = _scope(r)
         lora = _row(res, rank=r["rank"], setup=r["setup"], mode=r["mode"], scope=scope, variant="lora")
         tr = r["grad_iter_s"] / lora["grad_iter_s"] if lora else float("nan")
         ir = r["infer_s"] / lora["infer_s"] if lora else float("nan")

@@ -420,7 +420,6 @@ if AVAILABLE:
     _PACK = _Launcher(_pack_kernel)
 
 
-
 def _parts(t_dtype: torch.dtype, g_dtype: torch.dtype) -> int:
     """How ``rotate`` multiplies activations of ``t_dtype`` by blocks of ``g_dtype`` (see :func:`_mma`)."""
     if t_dtype in _HALF and g_dtype == t_dtype:

@@ -4,23 +4,16 @@ compiled. The H200 runs are in ``benchmarks/results/``; a CPU run of the whole s
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BENCH = os.path.join(REPO, "benchmarks")
+from ._bench_path import on_path
 
 
 @pytest.fixture(scope="module")
 def cb():
-    sys.path.insert(0, BENCH)
-    try:
+    with on_path():
         import compile_bench
         yield compile_bench
-    finally:
-        sys.path.remove(BENCH)
 
 
 def _group(c):

@@ -12,18 +12,14 @@ import time
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BENCH = os.path.join(REPO, "benchmarks")
+from ._bench_path import BENCH, REPO, on_path
 
 
 @pytest.fixture(scope="module")
 def mb():
-    sys.path.insert(0, BENCH)
-    try:
+    with on_path():
         import model_bench
         yield model_bench
-    finally:
-        sys.path.remove(BENCH)
 
 
 def test_plan_h200_covers_the_targets(mb):

@@ -16,20 +16,16 @@ import sys
 import pytest
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BENCH = os.path.join(REPO, "benchmarks")
+from ._bench_path import BENCH, REPO, on_path
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, BENCH)
-    try:
+    with on_path():
         import _poetx_plain
         import poetx_convergence
         import poetx_model_bench
         yield dict(plain=_poetx_plain, pxm=poetx_model_bench, pxc=poetx_convergence)
-    finally:
-        sys.path.remove(BENCH)
 
 
 def _env():
