@@ -38,7 +38,8 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
 VARIANT_LABEL = {"lora": "PEFT LoRA", "peft_dora": "PEFT DoRA", "fastdora": "fastdora",
-                 "fastdora_op": "fastdora, composition as custom ops"}
+                 "fastdora_op": "fastdora, composition as custom ops",
+                 "fastdora_norm_op": "fastdora, norm through the op (no slots)"}
 # targets: fastdora / LoRA (compiled, default mode) and PEFT DoRA / fastdora (training)
 TARGET_TRAIN, TARGET_INFER, TARGET_VS_DORA = 1.05, 1.03, 1.8
 
@@ -52,7 +53,7 @@ def plan(ranks, setups, modes, scopes=("layers",)) -> list:
     cfgs = []
     for r in ranks:
         for s in setups:
-            for v in ("lora", "fastdora", "peft_dora") + (("fastdora_op",) if r == ranks[0] else ()):
+            for v in ("lora", "fastdora", "peft_dora") + (("fastdora_op", "fastdora_norm_op") if r == ranks[0] else ()):
                 cfgs.append(dict(rank=r, setup=s, variant=v, mode=modes[0], scope=scopes[0]))
     for m in modes[1:]:
         for s in setups:
@@ -83,8 +84,14 @@ def run_worker(a) -> None:
 
         SETTINGS.compiled_compose_op = True
         a.variant = "fastdora"
+    if variant == "fastdora_norm_op":
+        a.variant = "fastdora"
     model = mb.build_model(a, dev)
     model, info = mb.apply_adapter(model, a, dev)
+    if variant == "fastdora_norm_op":
+        from fastdora import slots
+
+        slots.uninstall(model)  # every compiled layer calls fastdora::cached_norm, as before the slots
     if a.mode == "reduce-overhead":
         # CUDA graph trees reuse a graph's output memory at its next replay, and a checkpointed layer replays its
         # forward inside the backward ("accessing tensor output of CUDAGraphs that has been overwritten by a subsequent
@@ -127,12 +134,24 @@ def run_worker(a) -> None:
         with torch.no_grad(), ctx():
             return run(input_ids=micro[0], logits_to_keep=1, use_cache=False).logits
 
+    host = []  # per timed call: the seconds until fn() returned, before the closing sync (the host's share)
+
     def timed(fn):
         sync()
         t0 = time.perf_counter()
         fn()
+        host.append(time.perf_counter() - t0)
         sync()
         return time.perf_counter() - t0
+
+    gc_s = [0.0, 0]  # seconds in Python's cyclic garbage collector and collections, while timed
+
+    def gc_clock(phase, info, _t=[0.0]):
+        if phase == "start":
+            _t[0] = time.perf_counter()
+        else:
+            gc_s[0] += time.perf_counter() - _t[0]
+            gc_s[1] += 1
 
     rec = dict(rank=a.rank, setup=a.setup, variant=variant, mode=a.mode,
                scope=a.scope, layers=a.layers, seq=a.seq, ga=a.ga,
@@ -159,6 +178,9 @@ def run_worker(a) -> None:
         fd.active_path_counter.clear()
     counts = (lambda: dict(fd.active_path_counter)) if fd is not None else dict
     train_counter, ts, ti, peak = {}, [], [], 0
+    host.clear()
+    host_train, host_infer = [], []
+    gc.callbacks.append(gc_clock)
     # the parent's commands, one per round: "train K" / "infer K" (K timed iterations), "done"
     for line in sys.stdin:
         cmd = line.split()
@@ -171,6 +193,7 @@ def run_worker(a) -> None:
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
             ts += [timed(grad_iter) for _ in range(k)]
+            host_train += host[-k:]
             if dev.type == "cuda":
                 peak = max(peak, torch.cuda.max_memory_allocated(dev))
             for n, v in counts().items():
@@ -178,14 +201,20 @@ def run_worker(a) -> None:
         else:
             model.eval()
             ti += [timed(infer) for _ in range(k)]
+            host_infer += host[-k:]
         print("OK", flush=True)
     rec["grad_iter_s_all"], rec["grad_iter_s"] = ts, statistics.median(ts)
     if dev.type == "cuda":
         rec["train_peak_alloc_gb"] = peak / 1e9
     rec["infer_s_all"], rec["infer_s"] = ti, statistics.median(ti)
+    gc.callbacks.remove(gc_clock)
+    # host-bound check: the host's time to issue an iteration against its wall time (close to 1: the GPU waited)
+    rec["grad_host_s"], rec["infer_host_s"] = statistics.median(host_train), statistics.median(host_infer)
+    rec["gc_s_timed"], rec["gc_collections_timed"] = gc_s
     model.train()  # (the profiled iteration below trains)
     if a.profile and dev.type == "cuda":
         rec["profile"] = profile_iteration(grad_iter, sync)
+        rec["profile"]["host_syncs"] = host_syncs(grad_iter, sync)
     rec["graphs_compiled"] = int(counters["stats"]["unique_graphs"])
     rec["graphs_compiled_while_timed"] = rec["graphs_compiled"] - graphs_after_warmup
     rec["graph_breaks"] = int(sum(counters["graph_break"].values()))
@@ -227,6 +256,29 @@ def profile_iteration(grad_iter, sync, top: int = 30) -> dict:
     return dict(gpu_kernel_ms_total=sum(v[0] for v in kernels.values()),
                 top_kernels=[[k[:90], round(v[0], 3), v[1]] for k, v in ranked[:top]],
                 fastdora_ops_host_ms=host)
+
+
+def host_syncs(grad_iter, sync) -> dict:
+    """One gradient iteration with torch's CUDA sync debug mode on: how many operations made the host wait for the
+    GPU, by message (each such wait empties the GPU's queue)."""
+    import warnings
+
+    import torch
+
+    sync()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            grad_iter()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sync()
+    by_msg = {}
+    for w in caught:
+        msg = f"{os.path.basename(w.filename)}:{w.lineno}: " + str(w.message).splitlines()[0][:100]
+        by_msg[msg] = by_msg.get(msg, 0) + 1
+    return by_msg
 
 
 def worker_cmd(c, a, result) -> list:

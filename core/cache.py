@@ -45,7 +45,7 @@ _LOAD_EPOCH = 0  # bumped on load_state_dict / invalidate() only (the frozen bas
 _STEP_HOOK = None
 
 #: the magnitude module's attributes that hold cache state (dropped by pickling / deep copies and ``disable``)
-ATTRS = ("_fastdora_norm", "_fastdora_base", "_fastdora_graphs")
+ATTRS = ("_fastdora_norm", "_fastdora_base", "_fastdora_graphs", "_fastdora_slot_keys")
 
 
 def epoch() -> int:
@@ -175,12 +175,13 @@ def clear(mag: nn.Module) -> None:
     mag.__dict__["_fastdora_norm"] = {}
     mag.__dict__["_fastdora_base"] = None
     mag.__dict__["_fastdora_graphs"] = {}
+    mag.__dict__["_fastdora_slot_keys"] = {}  # (fastdora.slots: the next refresh recomputes every slot)
 
 
 def drop_from_state(state: dict) -> dict:
     """``state`` (a module ``__dict__`` for pickling / deep copies) without cache entries: the copy recomputes them."""
     state = dict(state)
-    for name, empty in zip(ATTRS, ({}, None, {})):
+    for name, empty in zip(ATTRS, ({}, None, {}, {})):
         if name in state:
             state[name] = empty
     return state

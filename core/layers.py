@@ -92,6 +92,10 @@ def eps_for(dtype: torch.dtype) -> float:
     return 1e-6 if dtype in _HALF else 1e-12
 
 
+#: a magnitude module's norm slots (adapter -> tensor) and the ``fastdora.slots.Root`` that refreshes them
+SLOT_ATTR, SLOT_ROOT_ATTR = "_fastdora_slots", "_fastdora_slot_root"
+
+
 def _stored_weight(base_layer: nn.Module) -> torch.Tensor:
     """The tensor that holds the base weight as stored (the cache key source): ``weight`` for plain and bitsandbytes
     layers, ``W_q`` for HQQ."""
@@ -231,10 +235,18 @@ class _FastDoraMixin:
         """
         kernels, budget = self._fd_options().kernels, _S.norm_budget_bytes
         if torch.compiler.is_compiling():
-            # one opaque op that reads the cache when the graph runs, where weight_fn() is a view of the stored
-            # weight (a dequantized copy would be a new tensor at every call: traced as plain ops instead)
-            if _S.cache_norm and _dispatch.HAS_NORM_OP and _is_plain(weight_src):
-                return _dispatch.compiled_norm(weight_fn(), lora_A, lora_B, scale, kernels)
+            if _S.cache_norm and _is_plain(weight_src):
+                # inside its model's forward, the slot that the model's pre-forward refresh keeps current
+                # (fastdora.slots; Dynamo guards on ``active``); else one opaque op that reads the cache when the
+                # graph runs, where weight_fn() is a view of the stored weight (a dequantized copy would be a new
+                # tensor at every call: traced as plain ops instead)
+                root = getattr(self, SLOT_ROOT_ATTR, None)
+                if root is not None and root.active:
+                    slot = getattr(self, SLOT_ATTR, {}).get(adapter_name)
+                    if slot is not None:
+                        return slot
+                if _dispatch.HAS_NORM_OP:
+                    return _dispatch.compiled_norm(weight_fn(), lora_A, lora_B, scale, kernels)
             return factored_norm(weight_fn(), lora_A, lora_B, scale, None, budget, kernels)[0]
         if not _S.cache_norm:
             return factored_norm(weight_fn(), lora_A, lora_B, scale, None, budget, kernels)[0]

@@ -13,6 +13,7 @@ from torch import nn
 from . import cache as _cache
 from . import config as _config
 from . import layers as _layers
+from . import slots as _slots
 
 __all__ = ["EnableReport", "enable", "disable", "process_wide_enabled"]
 
@@ -184,6 +185,7 @@ def enable(model: Optional[nn.Module] = None, **options: Any) -> EnableReport:
     if not isinstance(model, nn.Module):
         raise TypeError(f"fastdora.enable(model=...) expects a torch.nn.Module, got {type(model).__name__}")
     _convert_model(model, opts, report)
+    _slots.install(model)
     report.native_node, report.native_launch = _native_node(opts)
     return report
 
@@ -216,6 +218,7 @@ def disable(model: Optional[nn.Module] = None) -> int:
         _process_wide = False
         return 0
     restored = 0
+    _slots.uninstall(model)
     for _, module in _lora_layers(model):
         _layers.remove_lean_forward(module)
         for adapter, mag in module.lora_magnitude_vector.items():

@@ -18,6 +18,7 @@ LAYERS = {
     "ops": 3,
     "dispatch": 4,
     "distributed": 5, "layers": 5,
+    "slots": 5,  # norm slots read by compiled graphs; imports layers (which must not import it)
     "patching": 6,
     "": 7,  # the package's __init__
 }
