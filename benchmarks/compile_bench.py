@@ -26,6 +26,7 @@ Usage (one H200, ~7 minutes):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -122,11 +123,17 @@ def run_worker(a) -> None:
     # CUDA graph trees (mode="reduce-overhead") reuse their outputs' memory at the next replay: mark each step
     mark = (torch.compiler.cudagraph_mark_step_begin if a.mode == "reduce-overhead" else (lambda: None))
 
+    # one fastdora step scope per optimizer step, as fastdora's trainer callback opens them (the whole model
+    # compiled: its graph reads the norm slots inside it)
+    fd_mod = sys.modules.get("fastdora")
+    scope = (lambda: fd_mod.step_scope(model)) if fd_mod is not None else contextlib.nullcontext
+
     def grad_iter():
-        for ids in micro:
-            mark()
-            (loss_of(ids) / len(micro)).backward()
-        opt.step()
+        with scope():
+            for ids in micro:
+                mark()
+                (loss_of(ids) / len(micro)).backward()
+            opt.step()
         opt.zero_grad(set_to_none=True)
 
     def infer():

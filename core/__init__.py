@@ -9,6 +9,7 @@
 from .config import Options
 from .cache import invalidate as invalidate_norm_cache
 from .patching import EnableReport, disable, enable, process_wide_enabled
+from .slots import step_scope
 from .stats import active_path_counter
 
 __version__ = "1.0.0"
@@ -21,5 +22,6 @@ __all__ = [
     "Options",
     "active_path_counter",
     "process_wide_enabled",
+    "step_scope",
     "__version__",
 ]

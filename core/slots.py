@@ -24,12 +24,16 @@ the slot graph.
 A compiled layer reads its slot only while its root is active; the traced code branches on ``Root.active``, so
 Dynamo guards on it: called outside its model's forward (directly, or through a wrapper that bypasses ``model``'s
 hooks), the layer fails the guard and runs a graph compiled with the op instead. Where ``model``'s own forward is
-traced (the whole model compiled), the hooks do nothing while traced, the root stays inactive and the graph keeps
-the op. No checkpoint or parameter is touched: slots are plain attributes, not buffers.
+traced (the whole model compiled, as HF Trainer's ``torch_compile=True`` does), the hooks do nothing while traced;
+there a *step scope* (:func:`step_scope`, opened by fastdora's trainer callback for every optimizer step) refreshes
+the slots when it opens and keeps the root active until the optimizer step. Outside a scope the graph keeps the op.
+No checkpoint or parameter is touched: slots are plain attributes, not buffers.
 """
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from typing import Optional
 
 import torch
@@ -38,9 +42,10 @@ from torch import nn
 from . import cache as _cache
 from . import distributed as _distributed
 from . import layers as _layers
+from .config import SETTINGS as _S
 from .stats import active_path_counter, record
 
-__all__ = ["Root", "install", "uninstall", "refresh", "SLOT_ATTRS"]
+__all__ = ["Root", "install", "uninstall", "refresh", "hold", "release", "step_scope", "SLOT_ATTRS"]
 
 _ROOT_ATTR = "_fastdora_slot_model_root"  # on the hooked model: its Root
 _HOOKS_ATTR = "_fastdora_slot_hooks"
@@ -53,7 +58,8 @@ class Root:
 
     def __init__(self, entries: list):
         self.active = False
-        self.depth = 0
+        self.depth = 0  # nesting of the model's eager forwards
+        self.holds = 0  # nesting of step scopes (hold / release)
         self.entries = entries  # (LoRA layer, adapter, magnitude module)
         self.calls_at_enter = 0  # eager DoRA Linear calls recorded before the current forward
         # the last forward ran at least as many eager DoRA Linear calls as there are slots (None: before the first
@@ -65,6 +71,11 @@ def _has_compiled_modules(model: nn.Module) -> bool:
     """Whether a submodule of ``model`` is compiled (``module.compile()`` or a ``torch.compile`` wrapper)."""
     return any(m.__dict__.get("_compiled_call_impl") is not None or type(m).__name__ == "OptimizedModule"
                for m in model.modules())
+
+
+def _usable() -> bool:
+    # the traced layers read slots only with the norm cache on, and never under a distributed engine (its own path)
+    return _S.cache_norm and not _distributed.active()
 
 
 def _eager_linear_calls() -> int:
@@ -131,7 +142,7 @@ def _enter(model: nn.Module, args) -> None:
             root.ran_eager = not _has_compiled_modules(model)
         # a model whose DoRA layers all ran eagerly in its last forward reads no slot: no refresh (the eager layers
         # keep their own cache); once compiled layers run, the next forward refreshes again
-        root.active = (not root.ran_eager) and (not _distributed.active()) and refresh(root)
+        root.active = (not root.ran_eager) and _usable() and refresh(root)
         root.calls_at_enter = _eager_linear_calls()
 
 
@@ -142,9 +153,10 @@ def _leave(model: nn.Module, args, output) -> None:
     root.depth = max(root.depth - 1, 0)
     if root.depth == 0:
         root.ran_eager = _eager_linear_calls() - root.calls_at_enter >= len(root.entries)
-        if root.active and torch.is_grad_enabled():
-            _arm_backward(root, output)
-        root.active = False
+        if root.holds == 0:
+            if root.active and torch.is_grad_enabled():
+                _arm_backward(root, output)
+            root.active = False
 
 
 def _grad_outputs(output) -> list:
@@ -170,7 +182,7 @@ def _arm_backward(root: Root, output) -> None:
         root.active = True
 
         def disarm() -> None:
-            root.active = root.depth > 0 and root.active
+            root.active = root.active and (root.depth > 0 or root.holds > 0)
 
         torch.autograd.Variable._execution_engine.queue_callback(disarm)
 
@@ -205,3 +217,67 @@ def uninstall(model: nn.Module) -> Optional[Root]:
             mag.__dict__.pop(_layers.SLOT_ATTR, None)
             mag.__dict__.pop("_fastdora_slot_keys", None)
     return root
+
+
+# ------------------------------------------------------------------------------------------- step scopes
+
+_HELD: "weakref.WeakSet[Root]" = weakref.WeakSet()  # roots inside a step scope
+_STEP_HOOK = None
+
+
+def _after_optimizer_step(optimizer, args, kwargs) -> None:
+    # the step changed the adapters: a scope's slots are stale from here to the next scope's refresh (a forward in
+    # between, e.g. a scope spanning several steps, fails the graphs' guard and runs the op)
+    for root in list(_HELD):
+        root.active = False
+
+
+def hold(model: nn.Module) -> bool:
+    """Open a step scope on ``model`` (nested scopes count): its slots are refreshed now, and its compiled graphs
+    read them until the next optimizer step or :func:`release` -- also where ``model``'s own forward is compiled and
+    its hooks cannot run. False (nothing held) for a model without slots, a model whose last
+    forward ran every DoRA layer eagerly, or under a distributed engine."""
+    global _STEP_HOOK
+    root = model.__dict__.get(_ROOT_ATTR)
+    if root is None:
+        return False
+    root.holds += 1
+    if root.holds > 1:
+        return root.active
+    if root.ran_eager or not _usable():
+        return False
+    if _STEP_HOOK is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _STEP_HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
+    _HELD.add(root)
+    root.active = refresh(root)
+    return root.active
+
+
+def release(model: nn.Module) -> None:
+    """Close a step scope opened by :func:`hold`."""
+    root = model.__dict__.get(_ROOT_ATTR)
+    if root is None or root.holds == 0:
+        return
+    root.holds -= 1
+    if root.holds == 0:
+        _HELD.discard(root)
+        if root.depth == 0:
+            root.active = False
+
+
+@contextlib.contextmanager
+def step_scope(model: nn.Module):
+    """``with fastdora.step_scope(model):`` around one training step (its forwards, backwards and optimizer step) of
+    a model compiled whole (``torch.compile(model)``): until the optimizer step, the compiled graph reads each
+    layer's norm slot (refreshed when the scope opens) instead of calling fastdora's norm op per layer and forward.
+    Open one scope per optimizer step (forwards after the step inside the same scope run the op: correct, one more
+    graph). Between the scope's start and its optimizer step, do not change the adapters any other way (an in-place
+    edit, ``load_state_dict``): the graph would not see it before the next scope. fastdora's trainer callback opens
+    one per optimizer step."""
+    held = hold(model)
+    try:
+        yield held
+    finally:
+        release(model)

@@ -10,6 +10,9 @@ accelerate wrappers are peeled), says so in ONE line per process at default verb
 processes; the full report goes to the ``transformers`` logger at DEBUG), warns and does nothing for a model without
 DoRA, and at ``on_train_end`` writes its report (which fastdora paths ran, ``fastdora.active_path_counter``) into
 ``args.output_dir`` on EVERY process: ``fastdora_report.json`` on rank 0, ``fastdora_report.rank<N>.json`` on rank N.
+From ``on_step_begin`` to ``on_step_end`` of every optimizer step it holds a ``fastdora.step_scope`` on the model: where
+the trainer compiled the whole model (``torch_compile=True``), the compiled graph reads each layer's norm slot instead
+of calling fastdora's norm op per layer and forward.
 
 The core's public options are the constructor keywords (``None`` = the core's default, which the ``FASTDORA_*``
 environment variables may set): ``kernels``, ``legacy_embedding_compose``, ``dm_from_output``.
@@ -96,6 +99,7 @@ def _build_class():
             self._logged = False
             self._warned_no_dora = False
             self.announce_logger = None  # the one line's logger (None: ``fastdora``'s); frameworks set their own
+            self._scope = None  # the open fastdora.step_scope of the current optimizer step
 
         # -- conversion ----------------------------------------------------------------------------------
         def _convert(self, model: Any, when: str) -> None:
@@ -134,7 +138,29 @@ def _build_class():
             self._convert(model, "on_train_begin")
             return control
 
+        # -- one step scope per optimizer step: where the trainer compiled the whole model (torch_compile=True), its
+        # graphs read the layers' norm slots instead of calling fastdora's norm op per layer and forward
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if self.report is not None and model is not None and self._scope is None:
+                import fastdora
+
+                from ._common import unwrap_model
+
+                self._scope = fastdora.step_scope(unwrap_model(model))
+                self._scope.__enter__()
+            return control
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self._close_scope()
+            return control
+
+        def _close_scope(self) -> None:
+            if self._scope is not None:
+                scope, self._scope = self._scope, None
+                scope.__exit__(None, None, None)
+
         def on_train_end(self, args, state, control, model=None, **kwargs):
+            self._close_scope()
             if self.write_report:  # every rank: each converted and ran its own model
                 rank, _ = process_rank(args)
                 payload = report_payload(self.report, self.options, self.framework, self.latest, args=args)

@@ -107,17 +107,19 @@ def test_fullgraph_matches_eager_and_stock_peft(kind):
     assert_same_grads(g_c, g_r, torch.float32, "compiled vs stock PEFT")
 
 
-def _train(model, step_fn, steps=3, ga=2, fused=False):
+def _train(model, step_fn, steps=3, ga=2, fused=False, scope=None):
+    """``steps`` optimizer steps of ``ga`` micro-batches; each step inside ``scope(model)`` if given."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, fused=fused)
     g = torch.Generator().manual_seed(5)
     losses = []
     for _ in range(steps):
-        for _ in range(ga):
-            x = torch.randint(0, 64, (2, 8), generator=g)
-            loss = step_fn(x).loss
-            (loss / ga).backward()
-            losses.append(loss.item())
-        opt.step()
+        with scope(model) if scope is not None else contextlib.nullcontext():
+            for _ in range(ga):
+                x = torch.randint(0, 64, (2, 8), generator=g)
+                loss = step_fn(x).loss
+                (loss / ga).backward()
+                losses.append(loss.item())
+            opt.step()
         opt.zero_grad(set_to_none=True)
     return losses
 
@@ -162,22 +164,30 @@ def test_norm_once_per_step_no_recompiles(fused, checkpointing):
     assert max(abs(a - b) for a, b in zip(losses["fastdora"], losses["eager"])) < 1e-5
 
 
-@pytest.mark.parametrize("checkpointing", [True, False], ids=["checkpointed", "plain"])
-def test_compiled_decoder_layers_read_norm_slots(checkpointing):
-    """Each decoder layer compiled, the model itself eager (regional compilation): the compiled graphs read the norm
-    slots that the model's pre-forward refresh keeps current (``fastdora.slots``) and never call the norm op; each
-    norm is computed once per optimizer step; losses equal eager fastdora's; as many graphs as LoRA's."""
+def _llama_variants(checkpointing: bool):
+    """``(name, PEFT model, counting backend, compiled)`` for eager fastdora, LoRA to compile and fastdora to compile,
+    on one tiny Llama, with non-reentrant gradient checkpointing if asked."""
     base = _llama()
     if checkpointing and hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        # transformers' attention can set a context variable inside the checkpoint (the `kernels` package), which
+        # otherwise sends the whole checkpointed layer to eager, LoRA included
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
-    losses, graphs = {}, {}
     for name, dora, fast, compiled in [("eager", True, True, False), ("lora", False, False, True),
                                        ("fastdora", True, True, True)]:
         m = _peft(base, dora=dora, fast=fast)
         if checkpointing:
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         torch._dynamo.reset()
-        backend = Counting()
+        yield name, m, Counting(), compiled
+
+
+@pytest.mark.parametrize("checkpointing", [True, False], ids=["checkpointed", "plain"])
+def test_compiled_decoder_layers_read_norm_slots(checkpointing):
+    """Each decoder layer compiled, the model itself eager (regional compilation): the compiled graphs read the norm
+    slots that the model's pre-forward refresh keeps current (``fastdora.slots``) and never call the norm op; each
+    norm is computed once per optimizer step; losses equal eager fastdora's; as many graphs as LoRA's."""
+    losses, graphs = {}, {}
+    for name, m, backend, compiled in _llama_variants(checkpointing):
         if compiled:
             for layer in m.get_base_model().model.layers:
                 layer.compile(backend=backend)
@@ -190,6 +200,32 @@ def test_compiled_decoder_layers_read_norm_slots(checkpointing):
             assert active_path_counter["norm:slot_refresh"] == layers * 3, dict(active_path_counter)
             assert "compiled:norm_op" not in active_path_counter, dict(active_path_counter)
             assert not any(k.startswith("linear:") for k in active_path_counter), dict(active_path_counter)
+    assert graphs["fastdora"] == graphs["lora"], graphs
+    assert max(abs(a - b) for a, b in zip(losses["fastdora"], losses["eager"])) < 1e-5
+
+
+@pytest.mark.parametrize("fused,checkpointing", [(False, True), (True, False)],
+                         ids=["foreach-checkpointed", "fused-plain"])
+def test_whole_model_compiled_reads_slots_inside_step_scopes(fused, checkpointing):
+    """The whole PEFT model compiled (its hooks are traced, so they cannot refresh): inside ``fastdora.step_scope``
+    (one per optimizer step, as fastdora's trainer callback opens them) the graph reads the norm slots, refreshed when
+    each scope opens (after a fused optimizer's step too, which bumps no version counter: the cache epoch does); no
+    norm op runs in training; each norm is computed once per step; losses equal eager fastdora's; as many graphs as
+    LoRA's under the same calls, an evaluation outside any scope (the op) included."""
+    losses, graphs = {}, {}
+    for name, m, backend, compiled in _llama_variants(checkpointing):
+        f = torch.compile(m, backend=backend) if compiled else m
+        active_path_counter.clear()
+        losses[name] = _train(m, lambda x: f(input_ids=x, labels=x), fused=fused, scope=fastdora.step_scope)
+        if name == "fastdora":
+            layers = sum(1 for n, _ in m.named_modules() if n.endswith("lora_magnitude_vector.default"))
+            assert "compiled:norm_op" not in active_path_counter, dict(active_path_counter)
+            assert _norms() == layers * 3, dict(active_path_counter)  # each scope's refresh
+        m.eval()
+        with torch.no_grad():
+            f(input_ids=torch.randint(0, 64, (2, 8)))
+        m.train()
+        graphs[name] = backend.graphs
     assert graphs["fastdora"] == graphs["lora"], graphs
     assert max(abs(a - b) for a, b in zip(losses["fastdora"], losses["eager"])) < 1e-5
 
