@@ -17,8 +17,8 @@ computed exactly once per layer per optimizer step on each rank, the loss curves
 of fastdora ran without the callback. On a machine without GPUs accelerate runs this as DDP (it has no FSDP for
 ``MULTI_CPU``); the engine it ran is recorded in the summary and asserted to be FSDP where CUDA is present. Sharded
 DoRA on CPU is covered by ``tests/peft/test_distributed.py`` (FSDP1 / FSDP2 / ZeRO without a trainer).
-``hf_compile``: the HF Trainer run with ``torch_compile=True`` and the callback (its graph reading the norm slots of
-the callback's step scopes, no norm op call): the norm computed once per layer per
+``hf_compile``: the HF Trainer run with ``torch_compile=True`` and the callback (its graph reading the Linear layers'
+norm slots of the callback's step scopes; the norm op for the embedding only): the norm computed once per layer per
 optimizer step inside the compiled model, the losses equal to the eager runs' (fastdora and stock PEFT).
 ``poetx_hf`` / ``poetx_sft``: full training with ``fastdora.plugins.PoetXCallback`` (HF Trainer / TRL SFTTrainer,
 gradient accumulation and checkpointing, merges every 3 optimizer steps, 8 steps, a checkpoint every 4), then the
@@ -122,9 +122,10 @@ def one_fsdp2(work: str, paths: dict, plugin_options: str, steps: int = 4) -> di
 
 def one_compile(work: str, paths: dict, plugin_options: str, steps: int = 8) -> dict:
     """HF Trainer with ``torch_compile=True`` and the callback: every DoRA layer ran inside the compiled model (no
-    layer recorded an eager call), the compiled graph read the norm slots that the callback's step scopes refreshed
-    (fastdora's norm op never ran), the norm was computed once per layer per optimizer step, and the losses equal the
-    eager runs' (with and without fastdora: the ``hf`` case's runs, made here if that case did not run)."""
+    layer recorded an eager call), the compiled graph read the Linear layers' norm slots that the callback's step
+    scopes refreshed (fastdora's norm op ran only for the embedding), the norm was computed once per layer per
+    optimizer step, and the losses equal the eager runs' (with and without fastdora: the ``hf`` case's runs, made here
+    if that case did not run)."""
     what = "HF Trainer, torch_compile=True"
     py = sys.executable
     eager = {}
@@ -148,10 +149,15 @@ def one_compile(work: str, paths: dict, plugin_options: str, steps: int = 8) -> 
     computed = counter.get("norm:computed", 0) + counter.get("norm:computed_base_cached", 0)
     assert computed == rep["fastdora_layers"] * steps, \
         f"{what}: norm computed {computed} times for {rep['fastdora_layers']} layers x {steps} steps: {counter}"
-    assert counter.get("compiled:norm_op", 0) == 0, \
-        f"{what}: fastdora's norm op ran {counter.get('compiled:norm_op', 0)} times in compiled graphs: {counter}"
-    assert counter.get("norm:slot_refresh", 0) == rep["fastdora_layers"] * steps, \
-        f"{what}: norm slots refreshed {counter.get('norm:slot_refresh', 0)} times: {counter}"
+    # Linear layers read their norm slots (refreshed once per step by the callback's step scope); the tiny model's
+    # DoRA embedding has no slot: its norm goes through fastdora's op, once per forward (no GA, no checkpointing)
+    linear = rep["converted"].get("linear", 0)
+    others = rep["fastdora_layers"] - linear
+    assert linear > 0 and counter.get("norm:slot_refresh", 0) == linear * steps, \
+        f"{what}: norm slots of {linear} Linear layers refreshed {counter.get('norm:slot_refresh', 0)} times: {counter}"
+    assert counter.get("compiled:norm_op", 0) == others * steps, \
+        f"{what}: fastdora's norm op ran {counter.get('compiled:norm_op', 0)} times in compiled graphs, for " \
+        f"{others} layer(s) without a slot x {steps} steps: {counter}"
     assert not any(k.startswith(("linear:", "embedding:")) for k in counter), \
         f"{what}: DoRA layers ran outside the compiled graph: {counter}"
     compiled = json.load(open(os.path.join(d, "losses.json")))["losses"]
