@@ -232,13 +232,18 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
         root.active = False
 
 
+def _root_of(model: nn.Module) -> Optional[Root]:
+    # ``model`` or what a ``torch.compile`` wrapper holds
+    return model.__dict__.get(_ROOT_ATTR) or getattr(model, "_orig_mod", model).__dict__.get(_ROOT_ATTR)
+
+
 def hold(model: nn.Module) -> bool:
     """Open a step scope on ``model`` (nested scopes count): its slots are refreshed now, and its compiled graphs
     read them until the next optimizer step or :func:`release` -- also where ``model``'s own forward is compiled and
     its hooks cannot run. False (nothing held) for a model without slots, a model whose last
     forward ran every DoRA layer eagerly, or under a distributed engine."""
     global _STEP_HOOK
-    root = model.__dict__.get(_ROOT_ATTR)
+    root = _root_of(model)
     if root is None:
         return False
     root.holds += 1
@@ -257,7 +262,7 @@ def hold(model: nn.Module) -> bool:
 
 def release(model: nn.Module) -> None:
     """Close a step scope opened by :func:`hold`."""
-    root = model.__dict__.get(_ROOT_ATTR)
+    root = _root_of(model)
     if root is None or root.holds == 0:
         return
     root.holds -= 1

@@ -59,6 +59,10 @@ def test_callback_scope_per_step_whole_model_compiled(monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), ref(x), rtol=1e-5, atol=1e-5)
     assert fastdora.active_path_counter["compiled:norm_op"] == 2
+    # the scope also opens on the torch.compile wrapper
+    with fastdora.step_scope(compiled) as held:
+        assert held and root.active
+    assert not root.active
     # a step that never ended is closed at the end of training
     cb.on_step_begin(args, None, None, model=model)
     cb.on_train_end(args, None, None, model=model)
