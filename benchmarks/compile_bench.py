@@ -84,8 +84,7 @@ def run_worker(a) -> None:
         from fastdora.config import SETTINGS
 
         SETTINGS.compiled_compose_op = True
-        a.variant = "fastdora"
-    if variant == "fastdora_norm_op":
+    if variant in ("fastdora_op", "fastdora_norm_op"):
         a.variant = "fastdora"
     model = mb.build_model(a, dev)
     model, info = mb.apply_adapter(model, a, dev)
@@ -125,8 +124,8 @@ def run_worker(a) -> None:
 
     # one fastdora step scope per optimizer step, as fastdora's trainer callback opens them (the whole model
     # compiled: its graph reads the norm slots inside it)
-    fd_mod = sys.modules.get("fastdora")
-    scope = (lambda: fd_mod.step_scope(model)) if fd_mod is not None else contextlib.nullcontext
+    fd = sys.modules.get("fastdora")
+    scope = (lambda: fd.step_scope(model)) if fd is not None else contextlib.nullcontext
 
     def grad_iter():
         with scope():
@@ -180,7 +179,6 @@ def run_worker(a) -> None:
     graphs_after_warmup = int(counters["stats"]["unique_graphs"])
     gc.collect()
     print("READY", flush=True)
-    fd = sys.modules.get("fastdora")
     if fd is not None:
         fd.active_path_counter.clear()
     counts = (lambda: dict(fd.active_path_counter)) if fd is not None else dict

@@ -45,7 +45,9 @@ _LOAD_EPOCH = 0  # bumped on load_state_dict / invalidate() only (the frozen bas
 _STEP_HOOK = None
 
 #: the magnitude module's attributes that hold cache state (dropped by pickling / deep copies and ``disable``)
-ATTRS = ("_fastdora_norm", "_fastdora_base", "_fastdora_graphs", "_fastdora_slot_keys")
+#: the cache keys of a magnitude module's norm slots (``fastdora.slots``), cleared with the cache
+SLOT_KEYS_ATTR = "_fastdora_slot_keys"
+ATTRS = ("_fastdora_norm", "_fastdora_base", "_fastdora_graphs", SLOT_KEYS_ATTR)
 
 
 def epoch() -> int:
@@ -175,7 +177,7 @@ def clear(mag: nn.Module) -> None:
     mag.__dict__["_fastdora_norm"] = {}
     mag.__dict__["_fastdora_base"] = None
     mag.__dict__["_fastdora_graphs"] = {}
-    mag.__dict__["_fastdora_slot_keys"] = {}  # (fastdora.slots: the next refresh recomputes every slot)
+    mag.__dict__[SLOT_KEYS_ATTR] = {}  # (fastdora.slots: the next refresh recomputes every slot)
 
 
 def drop_from_state(state: dict) -> dict:

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from . import cache as _cache
+from . import dispatch as _dispatch
 from . import distributed as _distributed
 from . import layers as _layers
 from .config import SETTINGS as _S
@@ -50,7 +51,7 @@ __all__ = ["Root", "install", "uninstall", "refresh", "hold", "release", "step_s
 _ROOT_ATTR = "_fastdora_slot_model_root"  # on the hooked model: its Root
 _HOOKS_ATTR = "_fastdora_slot_hooks"
 #: every attribute the slots put on a module
-SLOT_ATTRS = frozenset({_ROOT_ATTR, _HOOKS_ATTR, _layers.SLOT_ATTR, _layers.SLOT_ROOT_ATTR, "_fastdora_slot_keys"})
+SLOT_ATTRS = frozenset({_ROOT_ATTR, _HOOKS_ATTR, _layers.SLOT_ATTR, _layers.SLOT_ROOT_ATTR, _cache.SLOT_KEYS_ATTR})
 
 
 class Root:
@@ -108,12 +109,12 @@ def _refresh_one(module: nn.Module, adapter: str, mag: nn.Module) -> bool:
         return False  # not keyable (inference tensors): no slot can be trusted
     # the slot tensors (read by traced code) and their keys (never traced: a key holds version counters)
     slots = mag.__dict__.setdefault(_layers.SLOT_ATTR, {})
-    keys = mag.__dict__.setdefault("_fastdora_slot_keys", {})
+    keys = mag.__dict__.setdefault(_cache.SLOT_KEYS_ATTR, {})
     slot = slots.get(adapter)
     if slot is not None and keys.get(adapter) == key:
         return True
     norm = mag._fd_weight_norm(weight, lambda: _layers._effective_weight(base), lora_A, lora_B, scale, adapter)
-    acc = torch.float64 if torch.float64 in (weight.dtype, lora_A.dtype, lora_B.dtype) else torch.float32
+    acc = _dispatch._acc(weight, lora_A, lora_B)  # the op's dtype: the same slot whichever path traced first
     if slot is None or slot.shape != norm.shape or slot.dtype != acc or slot.device != norm.device:
         slot = torch.empty(norm.shape, dtype=acc, device=norm.device)
         slots[adapter] = slot
@@ -215,7 +216,7 @@ def uninstall(model: nn.Module) -> Optional[Root]:
             if mag.__dict__.get(_layers.SLOT_ROOT_ATTR) is root:
                 mag.__dict__.pop(_layers.SLOT_ROOT_ATTR, None)
             mag.__dict__.pop(_layers.SLOT_ATTR, None)
-            mag.__dict__.pop("_fastdora_slot_keys", None)
+            mag.__dict__.pop(_cache.SLOT_KEYS_ATTR, None)
     return root
 
 

@@ -62,6 +62,11 @@ def _peft(base, dora=True, fast=True):
     return m
 
 
+def _dora_layers(model) -> int:
+    """The number of DoRA (layer, adapter) pairs of ``model`` (one adapter, ``default``)."""
+    return sum(1 for n, _ in model.named_modules() if n.endswith("lora_magnitude_vector.default"))
+
+
 def _breaks(model, x) -> int:
     torch._dynamo.reset()
     return torch._dynamo.explain(model)(x).graph_break_count
@@ -124,46 +129,6 @@ def _train(model, step_fn, steps=3, ga=2, fused=False, scope=None):
     return losses
 
 
-@pytest.mark.parametrize("fused,checkpointing", [(False, True), (True, False)],
-                         ids=["foreach-checkpointed", "fused-plain"])
-def test_norm_once_per_step_no_recompiles(fused, checkpointing):
-    """Training with gradient accumulation (and non-reentrant checkpointing): the compiled model computes each norm
-    once per optimizer step (fused optimizers too: they bump no version counter, the step hook's epoch catches them),
-    its losses equal eager fastdora's, and it compiles exactly as many graphs as LoRA under the same calls
-    (train, eval, train again, a cache invalidation)."""
-    base = _llama()
-    if checkpointing and hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
-        # transformers' attention can set a context variable inside the checkpoint (the `kernels` package), which
-        # otherwise sends the whole checkpointed layer to eager, LoRA included
-        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
-    counts = {}
-    losses = {}
-    for name, dora, fast, compiled in [("eager", True, True, False), ("lora", False, False, True),
-                                       ("fastdora", True, True, True)]:
-        m = _peft(base, dora=dora, fast=fast)
-        if checkpointing:
-            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        torch._dynamo.reset()
-        backend = Counting()
-        f = torch.compile(m, backend=backend) if compiled else m
-        active_path_counter.clear()
-        losses[name] = _train(m, lambda x: f(input_ids=x, labels=x), fused=fused)
-        layers = sum(1 for n, _ in m.named_modules() if n.endswith("lora_magnitude_vector.default"))
-        if name == "fastdora":
-            assert _norms() == layers * 3, dict(active_path_counter)  # 3 steps
-            assert active_path_counter["compiled:norm_op"] == layers * 2 * 3 * (2 if checkpointing else 1)
-            assert not any(k.startswith("linear:") for k in active_path_counter), dict(active_path_counter)
-        m.eval()
-        with torch.no_grad():
-            f(input_ids=torch.randint(0, 64, (2, 8)))
-        m.train()
-        fastdora.invalidate_norm_cache()
-        f(input_ids=torch.randint(0, 64, (2, 8)), labels=torch.randint(0, 64, (2, 8))).loss.backward()
-        counts[name] = backend.graphs
-    assert counts["fastdora"] == counts["lora"], counts
-    assert max(abs(a - b) for a, b in zip(losses["fastdora"], losses["eager"])) < 1e-5
-
-
 def _llama_variants(checkpointing: bool):
     """``(name, PEFT model, counting backend, compiled)`` for eager fastdora, LoRA to compile and fastdora to compile,
     on one tiny Llama, with non-reentrant gradient checkpointing if asked."""
@@ -181,6 +146,35 @@ def _llama_variants(checkpointing: bool):
         yield name, m, Counting(), compiled
 
 
+@pytest.mark.parametrize("fused,checkpointing", [(False, True), (True, False)],
+                         ids=["foreach-checkpointed", "fused-plain"])
+def test_norm_once_per_step_no_recompiles(fused, checkpointing):
+    """Training with gradient accumulation (and non-reentrant checkpointing): the compiled model computes each norm
+    once per optimizer step (fused optimizers too: they bump no version counter, the step hook's epoch catches them),
+    its losses equal eager fastdora's, and it compiles exactly as many graphs as LoRA under the same calls
+    (train, eval, train again, a cache invalidation)."""
+    counts = {}
+    losses = {}
+    for name, m, backend, compiled in _llama_variants(checkpointing):
+        f = torch.compile(m, backend=backend) if compiled else m
+        active_path_counter.clear()
+        losses[name] = _train(m, lambda x: f(input_ids=x, labels=x), fused=fused)
+        layers = _dora_layers(m)
+        if name == "fastdora":
+            assert _norms() == layers * 3, dict(active_path_counter)  # 3 steps
+            assert active_path_counter["compiled:norm_op"] == layers * 2 * 3 * (2 if checkpointing else 1)
+            assert not any(k.startswith("linear:") for k in active_path_counter), dict(active_path_counter)
+        m.eval()
+        with torch.no_grad():
+            f(input_ids=torch.randint(0, 64, (2, 8)))
+        m.train()
+        fastdora.invalidate_norm_cache()
+        f(input_ids=torch.randint(0, 64, (2, 8)), labels=torch.randint(0, 64, (2, 8))).loss.backward()
+        counts[name] = backend.graphs
+    assert counts["fastdora"] == counts["lora"], counts
+    assert max(abs(a - b) for a, b in zip(losses["fastdora"], losses["eager"])) < 1e-5
+
+
 @pytest.mark.parametrize("checkpointing", [True, False], ids=["checkpointed", "plain"])
 def test_compiled_decoder_layers_read_norm_slots(checkpointing):
     """Each decoder layer compiled, the model itself eager (regional compilation): the compiled graphs read the norm
@@ -195,7 +189,7 @@ def test_compiled_decoder_layers_read_norm_slots(checkpointing):
         losses[name] = _train(m, lambda x: m(input_ids=x, labels=x))
         graphs[name] = backend.graphs
         if name == "fastdora":
-            layers = sum(1 for n, _ in m.named_modules() if n.endswith("lora_magnitude_vector.default"))
+            layers = _dora_layers(m)
             assert _norms() == layers * 3, dict(active_path_counter)  # 3 optimizer steps
             assert active_path_counter["norm:slot_refresh"] == layers * 3, dict(active_path_counter)
             assert "compiled:norm_op" not in active_path_counter, dict(active_path_counter)
@@ -218,7 +212,7 @@ def test_whole_model_compiled_reads_slots_inside_step_scopes(fused, checkpointin
         active_path_counter.clear()
         losses[name] = _train(m, lambda x: f(input_ids=x, labels=x), fused=fused, scope=fastdora.step_scope)
         if name == "fastdora":
-            layers = sum(1 for n, _ in m.named_modules() if n.endswith("lora_magnitude_vector.default"))
+            layers = _dora_layers(m)
             assert "compiled:norm_op" not in active_path_counter, dict(active_path_counter)
             assert _norms() == layers * 3, dict(active_path_counter)  # each scope's refresh
         m.eval()
@@ -371,7 +365,7 @@ def test_inference_reuses_norm_and_sees_every_change():
     torch._dynamo.reset()
     f = torch.compile(m, backend=backend)
     x = torch.randint(0, 64, (2, 8))
-    layers = sum(1 for n, _ in m.named_modules() if n.endswith("lora_magnitude_vector.default"))
+    layers = _dora_layers(m)
     b_param = next(p for n, p in m.named_parameters() if "lora_B" in n)
 
     def check_against_stock():
@@ -487,7 +481,7 @@ def test_gpu_compiled_training_and_stale_norm(mode, scope, mark, setup):
     comp = copy.deepcopy(eager)
     fastdora.enable(eager, kernels="triton")
     fastdora.enable(comp, kernels="triton")
-    layers = sum(1 for n, _ in comp.named_modules() if n.endswith("lora_magnitude_vector.default"))
+    layers = _dora_layers(comp)
     torch._dynamo.reset()
     compile_mode = None if mode == "default" else mode
     run = {"eager": eager, "compiled": comp}

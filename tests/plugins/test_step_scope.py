@@ -9,16 +9,12 @@ import pytest
 import torch
 
 import fastdora
+from fastdora import slots
 from fastdora.plugins import _common
 
 from ._support import tiny_dora_model
 
 pytest.importorskip("transformers")
-
-
-def _root(model):
-    return model.base_model.model.__dict__.get("_fastdora_slot_model_root") or model.__dict__[
-        "_fastdora_slot_model_root"]
 
 
 def test_callback_scope_per_step_whole_model_compiled(monkeypatch):
@@ -30,7 +26,8 @@ def test_callback_scope_per_step_whole_model_compiled(monkeypatch):
     cb = FastDoraCallback(kernels="eager", write_report=False)
     cb.on_init_end(args, None, None, model=model)
     assert cb.report is not None and cb.report.total_converted == 2
-    root = _root(model)
+    root = slots._root_of(model)  # (the callback enabled fastdora on the PEFT model itself)
+    assert root is not None
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="aot_eager")
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
