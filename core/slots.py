@@ -113,7 +113,7 @@ def _refresh_one(module: nn.Module, adapter: str, mag: nn.Module) -> bool:
     slot = slots.get(adapter)
     if slot is not None and keys.get(adapter) == key:
         return True
-    norm = mag._fd_weight_norm(weight, lambda: _layers._effective_weight(base), lora_A, lora_B, scale, adapter)
+    norm = mag._fd_linear_norm(base, module.lora_A[adapter], module.lora_B[adapter], scale, adapter)  # (the forward's)
     acc = _dispatch._acc(weight, lora_A, lora_B)  # the op's dtype: the same slot whichever path traced first
     if slot is None or slot.shape != norm.shape or slot.dtype != acc or slot.device != norm.device:
         slot = torch.empty(norm.shape, dtype=acc, device=norm.device)
