@@ -10,7 +10,9 @@ inputs hold. Prints a table and writes JSON (``--out``).
 
 ``--sections ops`` times the single operations instead, kernels against the PyTorch path at 4096 features and 2048 /
 8192 tokens: ``rotate`` (forward and transposed), ``block_outer``, the Cayley–Neumann forward and backward, and
-``rotate`` / ``block_outer`` under the tile configurations of ``ROTATE_SWEEP`` / ``OUTER_SWEEP``.
+``rotate`` / ``block_outer`` / the permutation pass / the Cayley–Neumann series (72 blocks, a gate projection's) under
+the tile configurations of ``ROTATE_SWEEP`` / ``OUTER_SWEEP`` / ``GATHER_SWEEP`` / ``CAYLEY_SWEEP`` (and the series'
+product precisions).
 
 Usage:
   python benchmarks/poetx_bench.py --out poetx_bench.json                  # CUDA, the layer grid (~2 min on an H200)
@@ -137,6 +139,14 @@ ROTATE_SWEEP = [dict(block_m=64, block_c=128, block_k=32, warps=4), dict(block_m
                 dict(block_m=64, block_c=128, block_k=32, warps=4, blocks_per_prog=4)]
 OUTER_SWEEP = [dict(block_n=64, block_c=64, warps=4), dict(block_n=64, block_c=128, warps=8),
                dict(block_n=32, block_c=128, warps=8), dict(block_n=128, block_c=128, warps=8)]
+GATHER_SWEEP = [dict(block_r=8, block_c=512, warps=4), dict(block_r=32, block_c=256, warps=8),
+                dict(block_r=64, block_c=128, warps=8), dict(block_r=16, block_c=1024, warps=8),
+                dict(block_r=4, block_c=1024, warps=4), dict(block_r=1, block_c=4096, warps=8),
+                dict(block_r=2, block_c=2048, warps=8)]
+# the Cayley–Neumann products' tiles, and their fp32 product precision ("tf32x3", the default; "tf32"; "ieee")
+CAYLEY_SWEEP = [dict(block_t=64, block_k=32, warps=4), dict(block_t=64, block_k=64, warps=4),
+                dict(block_t=128, block_k=32, warps=8), dict(block_t=64, block_k=32, warps=8),
+                dict(block_t=32, block_k=32, warps=4), dict(block_t=128, block_k=16, warps=8)]
 
 
 def run_ops(device: str, tiny: bool, sweep: bool = False) -> list:
@@ -149,6 +159,15 @@ def run_ops(device: str, tiny: bool, sweep: bool = False) -> list:
         ms = timer(fn)
         rows.append(dict(op=op, tokens=n, d=d, block=b, variant=variant, ms=ms))
         print(f"{op:<16} tokens {n:<5} d {d} b={b:<4} {variant:<40} {ms:9.3f} ms", flush=True)
+
+    def record_with(attr, value, *args):
+        """``record(*args)`` with ``poetx_kernels.<attr>`` set to ``value`` (restored afterwards)."""
+        saved = getattr(poetx_kernels, attr)
+        setattr(poetx_kernels, attr, value)
+        try:
+            record(*args)
+        finally:
+            setattr(poetx_kernels, attr, saved)
 
     poetx_kernels.BLOCK_OUTER = True  # each operation's kernel against PyTorch, the block-gradient kernel included
     for b in (TINY["blocks"] if tiny else BLOCKS):
@@ -182,18 +201,33 @@ def run_ops(device: str, tiny: bool, sweep: bool = False) -> list:
                         record(op, n, b, name, fn)
                     finally:
                         poetx_kernels.ENABLED, poetx_kernels.PERMUTE_FUSED = True, False
-            for cfg in (ROTATE_SWEEP if sweep else []):
-                poetx_kernels.ROTATE_CONFIG = cfg
-                try:
-                    record("rotate", n, b, f"kernels {cfg}", cases[0][1])
-                finally:
-                    poetx_kernels.ROTATE_CONFIG = {}
-            for cfg in (OUTER_SWEEP if sweep else []):
-                poetx_kernels.OUTER_CONFIG = cfg
-                try:
-                    record("block_outer", n, b, f"kernels {cfg}", cases[2][1])
-                finally:
-                    poetx_kernels.OUTER_CONFIG = {}
+            if not sweep:
+                continue
+            for cfg in ROTATE_SWEEP:
+                record_with("ROTATE_CONFIG", cfg, "rotate", n, b, f"kernels {cfg}", cases[0][1])
+            if n == (16 if tiny else 2048):  # no tokens involved; a gate projection's blocks (4096 + 14336 features:
+                # 72 of 256)
+                n_many = 4 if tiny else 18432 // b
+                many = torch.randn(n_many, skew_size(b), device=device) * (0.3 / b ** 0.5)
+                g_many = torch.randn(n_many, b, b, device=device)
+                pm = many.clone().requires_grad_()
+
+                def cayley_many():
+                    cayley_neumann(pm, b).backward(g_many)
+
+                for cfg in CAYLEY_SWEEP:
+                    record_with("CAYLEY_CONFIG", cfg, "cayley fwd+bwd", n, b, f"{n_many} blocks, kernels {cfg}",
+                                cayley_many)
+                for prec in ("tf32", "ieee"):
+                    record_with("CAYLEY_PRECISION", prec, "cayley fwd+bwd", n, b,
+                                f"{n_many} blocks, kernels, {prec} products", cayley_many)
+            for cfg in GATHER_SWEEP:
+                record_with("GATHER_CONFIG", cfg, "permute", n, b, f"kernels {cfg}", cases[3][1])
+            if poetx_kernels.applies(t):
+                perm32 = perm.to(torch.int32)
+                record("permute", n, b, "kernels, int32 index", lambda: poetx_kernels.gather(t, perm32))
+            for cfg in OUTER_SWEEP:
+                record_with("OUTER_CONFIG", cfg, "block_outer", n, b, f"kernels {cfg}", cases[2][1])
     return rows
 
 
@@ -234,13 +268,13 @@ def run_profile(device: str, tiny: bool, top: int = 25) -> list:
             host_ms = sum(r[1] for r in host)
             print(f"--- {d_in}->{d_out} batch {batch} b={b} {variant}: GPU kernel time {total:.3f} ms, host (self CPU "
                   f"time of the profiled ops) {host_ms:.3f} ms", flush=True)
-            for k, ms, n in ranked:
+            for k, (ms, n) in ranked:
                 print(f"   {ms:8.3f} ms  x{n:<3} {k[:110]}", flush=True)
             print("   host, largest self CPU times:", flush=True)
             for k, ms, n in host[:12]:
                 print(f"   {ms:8.3f} ms  x{n:<3} {k[:110]}", flush=True)
             out.append(dict(d_in=d_in, d_out=d_out, batch=batch, block=b, variant=variant, gpu_ms=total,
-                            host_ms=host_ms, kernels=[[k[:110], ms, n] for k, ms, n in ranked],
+                            host_ms=host_ms, kernels=[[k[:110], ms, n] for k, (ms, n) in ranked],
                             host=[[k[:110], ms, n] for k, ms, n in host[:top]]))
     return out
 
@@ -312,7 +346,7 @@ def main() -> None:
                     "profile (GPU time per kernel), host (cProfile)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma separated subset of {VARIANTS}")
     ap.add_argument("--sweep", action="store_true", help="ops: also the tile configurations of ROTATE_SWEEP / "
-                    "OUTER_SWEEP")
+                    "OUTER_SWEEP / GATHER_SWEEP / CAYLEY_SWEEP")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     a = ap.parse_args()
     variants = [v for v in a.variants.split(",") if v]

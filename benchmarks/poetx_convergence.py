@@ -94,7 +94,7 @@ def run_worker(a):
 
     model = build_model(a, torch)
     n_params = sum(p.numel() for p in model.parameters())
-    convert_info, q_params = None, []
+    convert_info, q_params, layout = None, [], {}
     if a.variant == "poetx":
         from fastdora import poetx
         from fastdora.poetx import PoetXLinear
@@ -103,6 +103,9 @@ def run_worker(a):
                             exclude=("lm_head",), seed=a.seed, from_scratch_normalize=True)
         convert_info = dict(converted=len(rep.converted), skipped=dict(rep.skipped), q_values=rep.trainable_parameters)
         q_params = [p for m in model.modules() if isinstance(m, PoetXLinear) for p in (m.q_in, m.q_out)]
+        # fastdora stores a POET-X weight in its permutations' frame, W'[i, j] = W[perm_out[i], perm_in[j]]
+        layout = {f"{n}.weight": m.weight[torch.argsort(m.perm_out)][:, torch.argsort(m.perm_in)]
+                  for n, m in model.named_modules() if isinstance(m, PoetXLinear)}
 
         def merge():
             return poetx.merge(model)
@@ -116,10 +119,11 @@ def run_worker(a):
         def merge():
             return plain.merge(model)
     model.to(dev)
-    h = hashlib.sha256()  # the parameters by name (POET-X and the plain version name theirs alike)
+    # the parameters by name (POET-X and the plain version name theirs alike), each weight in the model's layout
+    h = hashlib.sha256()
     for n, p in sorted(model.named_parameters()):
         h.update(n.encode())
-        h.update(p.detach().float().cpu().numpy().tobytes())
+        h.update(layout.get(n, p).detach().float().cpu().numpy().tobytes())
     init_hash = h.hexdigest()[:16]
     qid = {id(p) for p in q_params}
     base = [p for p in model.parameters() if p.requires_grad and id(p) not in qid]

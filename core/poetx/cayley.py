@@ -30,6 +30,7 @@ from the packed triangle, fp32 products); the PyTorch functions stay the referen
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 
@@ -40,6 +41,8 @@ __all__ = [
     "skew_from_packed",
     "neumann_series",
     "neumann_series_backward",
+    "series",
+    "series_backward",
     "cayley_neumann",
     "orthogonality_error",
 ]
@@ -115,32 +118,53 @@ def neumann_series_backward(q: torch.Tensor, grad_g: torch.Tensor, terms: int) -
     return grad_q
 
 
+def series(packed: torch.Tensor, block_size: int, terms: int,
+           second: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The blocks ``G`` of :func:`cayley_neumann` without recording a graph: the Triton kernels where they take
+    ``packed``, :func:`neumann_series` otherwise; in ``packed``'s dtype whatever autocast the caller is under (under
+    bfloat16 autocast the PyTorch products would otherwise run in bfloat16: blocks ~5e-4 away from orthogonal).
+    ``second``: more packed blocks of the same dtype, whose ``G`` follow ``packed``'s (one set of launches for both
+    sides of a layer)."""
+    if _kernels.applies(packed, second):
+        return _kernels.cayley_forward(packed, block_size, terms, second)
+    if second is not None:
+        packed = torch.cat([packed, second])
+    with torch.autocast(packed.device.type, enabled=False):
+        return neumann_series(skew_from_packed(packed, block_size), terms)
+
+
+def series_backward(packed: torch.Tensor, grad_g: torch.Tensor, block_size: int, terms: int,
+                    second: Optional[torch.Tensor] = None):
+    """``∂L/∂packed`` (``packed``'s shape and dtype) from ``∂L/∂G``: the vector-Jacobian product of :func:`series`
+    (with ``second``: the pair of both gradients). The kernels record no graph, so with grad mode on (a double
+    backward) the PyTorch functions run."""
+    if _kernels.applies(packed, second, grad_g) and not torch.is_grad_enabled():
+        return _kernels.cayley_backward(packed, grad_g, block_size, terms, second)
+    n1 = packed.shape[0]
+    if second is not None:
+        packed = torch.cat([packed, second])
+    with torch.autocast(packed.device.type, enabled=False):
+        q = skew_from_packed(packed, block_size)
+        grad_q = neumann_series_backward(q, grad_g.to(q.dtype), terms)
+    rows, cols = _triu(block_size, packed.device)
+    # Q[i, j] = θ and Q[j, i] = −θ for the stored value θ at (i, j), i < j
+    grad = grad_q[:, rows, cols] - grad_q[:, cols, rows]
+    return grad if second is None else (grad[:n1], grad[n1:])
+
+
 class _CayleyNeumann(torch.autograd.Function):
     """packed strict upper triangles -> ``G`` blocks; saves only the packed values (the powers are recomputed)."""
 
-    # the series runs in Q's dtype whatever autocast the caller is under (under bf16 autocast the PyTorch path's
-    # matmuls would otherwise run in bf16: blocks ~5e-4 away from orthogonal)
     @staticmethod
     def forward(ctx, packed: torch.Tensor, block_size: int, terms: int) -> torch.Tensor:
         ctx.save_for_backward(packed)
         ctx.block_size, ctx.terms = block_size, terms
-        if _kernels.applies(packed):
-            return _kernels.cayley_forward(packed, block_size, terms)
-        with torch.autocast(packed.device.type, enabled=False):
-            return neumann_series(skew_from_packed(packed, block_size), terms)
+        return series(packed, block_size, terms)
 
     @staticmethod
     def backward(ctx, grad_g: torch.Tensor):
         (packed,) = ctx.saved_tensors
-        # the kernels record no graph: a double backward (create_graph=True) takes the PyTorch path
-        if _kernels.applies(packed, grad_g) and not torch.is_grad_enabled():
-            return _kernels.cayley_backward(packed, grad_g, ctx.block_size, ctx.terms), None, None
-        with torch.autocast(packed.device.type, enabled=False):
-            q = skew_from_packed(packed, ctx.block_size)
-            grad_q = neumann_series_backward(q, grad_g.to(q.dtype), ctx.terms)
-        rows, cols = _triu(ctx.block_size, packed.device)
-        # Q[i, j] = θ and Q[j, i] = −θ for the stored value θ at (i, j), i < j
-        return grad_q[:, rows, cols] - grad_q[:, cols, rows], None, None
+        return series_backward(packed, grad_g, ctx.block_size, ctx.terms), None, None
 
 
 def cayley_neumann(packed: torch.Tensor, block_size: int, terms: int = 3) -> torch.Tensor:

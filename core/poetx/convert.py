@@ -133,8 +133,9 @@ def convert(
 ) -> ConvertReport:
     """Replace, in place, every plain ``nn.Linear`` of ``model`` by a :class:`~fastdora.poetx.PoetXLinear`.
 
-    Converted layers compute what they computed before (``Q = 0``; bitwise for layers without bias, within the
-    rounding of the bias addition for the others), unless ``from_scratch_normalize`` is set: then each weight row is
+    Converted layers compute what they computed before (``Q = 0``; up to floating-point summation order: a layer
+    stores its weight in the frame of its permutations, so its GEMM adds the same products in another order, and adds
+    the bias after the GEMM), unless ``from_scratch_normalize`` is set: then each weight row is
     scaled to unit L2 norm first (the normalised initialisation for training from scratch; it changes the function).
     Layers are skipped, with the reason in the report, when they are excluded, a subclass of ``nn.Linear``
     (quantised or special-purpose layers), inside a PEFT adapter layer, tied to another module, or their features

@@ -32,7 +32,7 @@ from torch import nn
 
 from . import quant
 from .cayley import cayley_neumann, skew_size
-from .ops import MODES, poetx_linear, rotate
+from .ops import MODES, poetx_layer, poetx_linear, rotate, to_frame
 
 try:  # FSDP2 / tensor parallelism shard parameters as DTensors
     from torch.distributed.fsdp import FSDPModule
@@ -110,6 +110,13 @@ class PoetXLinear(nn.Module):
     strict upper triangles of the skew generators; buffers ``perm_in``, ``perm_out`` and ``merge_count`` are saved
     in the state dict, so a checkpoint resumes with the same permutations.
 
+    The dense weight Parameter holds ``W`` in the frame of the current permutations, ``W'[i, j] = W[perm_out[i],
+    perm_in[j]]`` (:func:`fastdora.poetx.ops.to_frame`): written in place at conversion (the wrapped ``nn.Linear``'s
+    Parameter object, whose values are then permuted) and at each merge, so that a forward makes two permutation
+    passes instead of four (:mod:`fastdora.poetx.ops`). The state dict holds ``W'`` with the permutations it belongs
+    to (a checkpoint resumes exactly); :meth:`effective_weight` and :meth:`to_linear` give ``R·W·P`` in the model's
+    layout. int8 codes are stored in the frame too (their groups of ``group_size`` run along its input features).
+
     Precision: with a float32 weight, merges keep ``W`` within about 1e-6 (relative) of the exact product over
     hundreds of merges. With a bfloat16 weight each merge rounds ``R W P`` to bfloat16 and the roundings add up as a
     random walk, about ``2⁻⁸·√merges`` of the weight (3e-2 after 300 merges); for long runs keep the weight in
@@ -167,27 +174,32 @@ class PoetXLinear(nn.Module):
         self.weight_dtype = base.weight.dtype
 
         device = base.weight.device
-        if weight_format == "int8":
-            codes, scales = quant.quantize(base.weight.detach(), group_size)
-            self.weight: Optional[nn.Parameter] = None
-            self.register_buffer("weight_codes", codes)
-            self.register_buffer("weight_scales", scales)
-        else:
-            self.weight = base.weight.requires_grad_(False)
+        self.register_buffer("merge_count", torch.zeros((), dtype=torch.int64, device=device))
+        self.register_buffer("perm_in", torch.empty(self.in_features, dtype=torch.int64, device=device))
+        self.register_buffer("perm_out", torch.empty(self.out_features, dtype=torch.int64, device=device))
+        perm_in, perm_out = self._permutations(0)
+        self.perm_in.copy_(perm_in)
+        self.perm_out.copy_(perm_out)
+        with torch.no_grad():
+            if weight_format == "int8":
+                codes, scales = quant.quantize(to_frame(_full(base.weight.detach()), perm_in, perm_out), group_size)
+                self.weight: Optional[nn.Parameter] = None
+                self.register_buffer("weight_codes", codes)
+                self.register_buffer("weight_scales", scales)
+            else:
+                self.weight = base.weight.requires_grad_(False)
+                _write(self.weight, to_frame(_full(self.weight), perm_in, perm_out))
         self.bias: Optional[nn.Parameter] = base.bias
         n = skew_size(block_size)
         self.q_in = nn.Parameter(torch.zeros(self.in_features // block_size, n, dtype=q_dtype, device=device))
         self.q_out = nn.Parameter(torch.zeros(self.out_features // block_size, n, dtype=q_dtype, device=device))
-        self.register_buffer("merge_count", torch.zeros((), dtype=torch.int64, device=device))
-        self.register_buffer("perm_in", torch.empty(self.in_features, dtype=torch.int64, device=device))
-        self.register_buffer("perm_out", torch.empty(self.out_features, dtype=torch.int64, device=device))
-        self._draw_permutations()
 
-    @torch.no_grad()
-    def _draw_permutations(self) -> None:
-        gen = torch.Generator().manual_seed(permutation_seed(self.seed, self.layer_index, int(self.merge_count)))
-        self.perm_in.copy_(torch.randperm(self.in_features, generator=gen))
-        self.perm_out.copy_(torch.randperm(self.out_features, generator=gen))
+    def _permutations(self, merge_count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(perm_in, perm_out)`` of the interval after ``merge_count`` merges, on the layer's device."""
+        gen = torch.Generator().manual_seed(permutation_seed(self.seed, self.layer_index, merge_count))
+        perm_in = torch.randperm(self.in_features, generator=gen)
+        perm_out = torch.randperm(self.out_features, generator=gen)
+        return perm_in.to(self.perm_in.device), perm_out.to(self.perm_out.device)
 
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The orthogonal blocks ``(G(Q_in), G(Q_out))``, differentiable with respect to ``q_in`` and ``q_out``: one
@@ -207,71 +219,77 @@ class PoetXLinear(nn.Module):
                 cayley_neumann(_full(self.q_out), self.block_size, self.terms))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight is None:
-            return self._forward_int8(x)
-        weight, bias = self.weight, self.bias
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input has {x.shape[-1]} features, the layer expects {self.in_features}")
+        weight, bias, scales, rows = self.weight, self.bias, None, None
         device_type = x.device.type
-        if torch.is_autocast_enabled(device_type):  # as nn.Linear under autocast: the GEMM in the autocast dtype
+        autocast = torch.is_autocast_enabled(device_type)
+        if weight is None:  # int8 codes: the dequantised tiles take x's dtype (under autocast the autocast dtype)
+            weight, scales = self.weight_codes, self.weight_scales
+            if autocast:
+                dtype = torch.get_autocast_dtype(device_type)
+                x = _autocast_to(x, dtype)
+                bias = None if bias is None else _autocast_to(bias, dtype)
+            rows = quant.chunk_rows(self.in_features, x.dtype)
+        elif autocast:  # as nn.Linear under autocast: the GEMM in the autocast dtype
             dtype = torch.get_autocast_dtype(device_type)
             x, weight = _autocast_to(x, dtype), _autocast_to(weight, dtype)
             bias = None if bias is None else _autocast_to(bias, dtype)
-        g_in, g_out = self.blocks()
-        return poetx_linear(x, weight, bias, g_in, g_out, self.perm_in, self.perm_out, self.mode)
-
-    def _forward_int8(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias
-        device_type = x.device.type
-        if torch.is_autocast_enabled(device_type):
-            dtype = torch.get_autocast_dtype(device_type)
-            x = _autocast_to(x, dtype)
-            bias = None if bias is None else _autocast_to(bias, dtype)
-        g_in, g_out = self.blocks()
-        return poetx_linear(x, self.weight_codes, bias, g_in, g_out, self.perm_in, self.perm_out, self.mode,
-                            weight_scales=self.weight_scales)
+        if (scales is None and x.dtype != weight.dtype) or (bias is not None and bias.dtype != x.dtype):
+            raise TypeError(f"input, weight and bias must share one dtype, got {x.dtype}, "
+                            f"{self.weight_dtype if scales is not None else weight.dtype}, "
+                            f"{None if bias is None else bias.dtype}")
+        q_in, q_out = self.q_in, self.q_out
+        if q_in.dtype != q_out.dtype or _is_dtensor(q_in) or _is_dtensor(q_out):
+            g_in, g_out = self.blocks()
+            return poetx_linear(x, weight, bias, g_in, g_out, self.perm_in, self.perm_out, self.mode,
+                                weight_scales=scales, chunk_rows=rows)
+        return poetx_layer(x, weight, bias, q_in, q_out, self.perm_in, self.perm_out, self.block_size, self.terms,
+                           self.mode, scales, rows)
 
     def _compute_dtype(self) -> torch.dtype:
         weight_dtype = self.weight_dtype if self.weight is None else self.weight.dtype
         return torch.promote_types(torch.promote_types(weight_dtype, self.q_in.dtype), torch.float32)
 
-    def _merged_rows(self):
-        """For an int8 weight: ``(rows, (R·W·P)[rows])`` for chunks of whole output blocks (the rows of blocks
-        ``k0:k1`` of ``R`` are ``perm_out[k0·b : k1·b]``, and only those rows of ``W`` feed them), each chunk
-        dequantised on its own, its tile at most :data:`fastdora.poetx.quant.CHUNK_BYTES` (at least one block)."""
+    def _stored_product(self):
+        """Chunks ``(r0, r1, M[r0:r1])`` of ``M = diag(G)·W'·diag(H)`` in the stored frame (``R·W·P = Ψᵀ·M·Φ``), in
+        :meth:`_compute_dtype`, whole output blocks per chunk: the dense weight in one chunk; int8 codes dequantised
+        chunk by chunk, each tile at most :data:`fastdora.poetx.quant.CHUNK_BYTES` (at least one block)."""
         compute, b = self._compute_dtype(), self.block_size
         g_in, g_out = self._full_blocks()
         n_blocks = self.out_features // b
-        step = max(1, quant.chunk_rows(self.in_features, compute) // b)
+        dense = None if self.weight is None else _full(self.weight)
+        step = n_blocks if dense is not None else max(1, quant.chunk_rows(self.in_features, compute) // b)
         for k0 in range(0, n_blocks, step):
             k1 = min(k0 + step, n_blocks)
-            rows = self.perm_out[k0 * b:k1 * b]
-            w = quant.dequantize(self.weight_codes.index_select(0, rows), self.weight_scales.index_select(0, rows),
-                                 compute)
-            # (R·W)[perm[k·b + c]] = Σ_j G_k[c, j]·W[perm[k·b + j]]
-            rw = torch.einsum("kcj,kjd->kcd", g_out[k0:k1].to(compute), w.unflatten(0, (k1 - k0, b))).flatten(0, 1)
-            yield rows, rotate(rw, self.perm_in, g_in, transpose=True)  # (R·W)·P
+            r0, r1 = k0 * b, k1 * b
+            if dense is not None:
+                w = dense[r0:r1].to(compute)
+            else:
+                w = quant.dequantize(self.weight_codes, self.weight_scales, compute, r0, r1)
+            a = rotate(w, None, g_in, transpose=True)  # W'·diag(H)
+            yield r0, r1, rotate(a.mT, None, g_out[k0:k1]).mT  # diag(G)·(W'·diag(H))
 
     @torch.no_grad()
     def effective_weight(self) -> torch.Tensor:
-        """``R·W·P``, not rounded: in float32 (float64 if the weight or ``Q`` is float64), with the blocks the forward
-        uses (computed in ``Q``'s dtype). A plain tensor, the whole matrix on every rank when the parameters are
-        sharded (FSDP2): ``W``, ``q_in`` and ``q_out`` are then all-gathered. With an int8 weight, ``W`` is the
-        dequantised weight and the full result is assembled from chunks of rows (the result itself is full: it is for
+        """``R·W·P`` in the model's layout, not rounded: in float32 (float64 if the weight or ``Q`` is float64), with
+        the blocks the forward uses (computed in ``Q``'s dtype). A plain tensor, the whole matrix on every rank when the
+        parameters are sharded (FSDP2): ``W``, ``q_in`` and ``q_out`` are then all-gathered. With an int8 weight,
+        ``W`` is the dequantised weight, assembled from chunks of rows (the result itself is full: it is for
         :meth:`to_linear` and inspection)."""
-        compute = self._compute_dtype()
-        if self.weight is None:
-            out = torch.empty(self.out_features, self.in_features, dtype=compute, device=self.weight_codes.device)
-            for rows, merged in self._merged_rows():
-                out.index_copy_(0, rows, merged)
-            return out
-        g_in, g_out = self._full_blocks()
-        rw = rotate(_full(self.weight).to(compute).mT, self.perm_out, g_out).mT  # R·W = (Wᵀ·Rᵀ)ᵀ
-        return rotate(rw, self.perm_in, g_in, transpose=True)  # (R·W)·P
+        out = None
+        inv_in = torch.argsort(self.perm_in)
+        for r0, r1, m in self._stored_product():
+            if out is None:
+                out = m.new_empty(self.out_features, self.in_features)
+            out.index_copy_(0, self.perm_out[r0:r1], m.index_select(1, inv_in))
+        return out
 
     @torch.no_grad()
     def merge(self) -> None:
         """``W ← R·W·P`` (rounded once to the weight's dtype, in place: the Parameter objects stay), ``Q_in = Q_out
-        = 0``, ``merge_count += 1`` and new permutations. The bias is unchanged. The optimizer's state for ``q_in``
-        and ``q_out`` describes the old factors: the caller resets it.
+        = 0``, ``merge_count += 1`` and new permutations, with the weight rewritten in their frame. The bias is
+        unchanged. The optimizer's state for ``q_in`` and ``q_out`` describes the old factors: the caller resets it.
 
         With sharded parameters (FSDP2) every rank must call it (it all-gathers ``W``, ``q_in`` and ``q_out``: three
         all-gathers, see the module docstring); each rank writes its own shard of the same product. A layer that is
@@ -279,21 +297,33 @@ class PoetXLinear(nn.Module):
         model, which reshards every FSDP module first (after a forward FSDP may hold unsharded copies, and a merge
         written into those would be lost).
 
-        int8 weights: chunk by chunk of output blocks, ``R·W·P`` of the dequantised rows in float32, quantised with
-        new scales into ``weight_codes`` / ``weight_scales`` (in place); no full float32 weight is formed."""
+        int8 weights: chunk by chunk of output blocks, ``R·W·P`` of the dequantised rows in float32, quantised with new
+        scales (groups along the new frame's input features) into a new set of codes that then replaces the old in
+        place (one int8 copy of the codes while the chunks are written); no full float32 weight is formed."""
         if FSDPModule is not None and isinstance(self, FSDPModule):
             self.reshard()
+        new_in, new_out = self._permutations(int(self.merge_count) + 1)
+        # stored row i' (column j') of the new frame is natural row new_out[i'] (column new_in[j']), which M holds at
+        # row inv_out[new_out[i']] (column inv_in[new_in[j']]); old row i goes to new row inv_new_out[perm_out[i]]
+        columns = torch.argsort(self.perm_in)[new_in]
         if self.weight is None:
-            for rows, merged in self._merged_rows():
-                codes, scales = quant.quantize(merged, self.group_size, rows=merged.shape[0])
-                self.weight_codes.index_copy_(0, rows, codes)
-                self.weight_scales.index_copy_(0, rows, scales.to(self.weight_scales.dtype))
+            destination = torch.argsort(new_out)[self.perm_out]
+            codes, scales = torch.empty_like(self.weight_codes), torch.empty_like(self.weight_scales)
+            for r0, r1, m in self._stored_product():
+                chunk_codes, chunk_scales = quant.quantize(m.index_select(1, columns), self.group_size,
+                                                           rows=m.shape[0])
+                codes.index_copy_(0, destination[r0:r1], chunk_codes)
+                scales.index_copy_(0, destination[r0:r1], chunk_scales.to(scales.dtype))
+            self.weight_codes.copy_(codes)
+            self.weight_scales.copy_(scales)
         else:
-            _write(self.weight, self.effective_weight())
+            ((_, _, m),) = self._stored_product()
+            _write(self.weight, m.index_select(0, torch.argsort(self.perm_out)[new_out]).index_select(1, columns))
         for q in (self.q_in, self.q_out):
             (q.to_local() if _is_dtensor(q) else q).zero_()
         self.merge_count += 1
-        self._draw_permutations()
+        self.perm_in.copy_(new_in)
+        self.perm_out.copy_(new_out)
 
     @torch.no_grad()
     def to_linear(self) -> nn.Linear:

@@ -8,37 +8,43 @@ factors between random permutations,
 
 where ``Ψ = I[perm_out]`` and ``Φ = I[perm_in]`` are the permutation matrices of index vectors (``(Ψ v)ᵢ =
 v[perm_out[i]]``). For a row vector ``t`` and such an ``R``, ``t·Rᵀ`` is :func:`rotate`: gather ``t``'s features by
-``perm``, multiply each group of ``b`` features by its block's transpose, scatter them back. The layer is
+``perm``, multiply each group of ``b`` features by its block's transpose, scatter them back.
 
-    z = rotate(x, perm_in, H)            (= x·Pᵀ)
-    u = z·Wᵀ                              (the one dense GEMM, on the frozen weight in its own layout)
-    y = rotate(u, perm_out, G) + bias     (= u·Rᵀ + bias)
+The layer holds ``W`` in the frame of its permutations, ``W' = Ψ·W·Φᵀ`` (:func:`to_frame`: ``W'[i, j] =
+W[perm_out[i], perm_in[j]]``), so that ``R·W·P = Ψᵀ·diag(G)·W'·diag(H)·Φ`` and one gather of the input and one
+scatter of the output are the only permutation passes of a forward:
 
-and its backward, with ``gy = ∂L/∂y``:
+    xp = x[..., perm_in]                      (gather)
+    up = (xp·diag(H)ᵀ)·W'ᵀ                    (block products on contiguous blocks, the one dense GEMM)
+    y = scatter(up·diag(G)ᵀ + bias[perm_out], perm_out)
 
-    gu = rotate(gy, perm_out, G, transpose=True)        (= gy·R)
-    ∂L/∂Gₖ = Σ_rows gather(gy)ₖᵀ ⊗ gather(u)ₖ             (needs u: saved in "fast" mode, recomputed in "mem" mode)
-    gz = gu·W
-    ∂L/∂Hₖ = Σ_rows gather(gz)ₖᵀ ⊗ gather(x)ₖ
-    ∂L/∂x = rotate(gz, perm_in, H, transpose=True)       (= gz·P)
+and its backward, with ``gy = ∂L/∂y`` and ``gyp = gy[..., perm_out]``:
+
+    ∂L/∂Gₖ = Σ_rows gypₖᵀ ⊗ upₖ               (needs up: saved in "fast" mode, recomputed in "mem" mode)
+    gzp = (gyp·diag(G))·W'
+    ∂L/∂Hₖ = Σ_rows gzpₖᵀ ⊗ xpₖ
+    ∂L/∂x = scatter(gzp·diag(H), perm_in)
     ∂L/∂bias = Σ_rows gy
 
-The weight stays in the model's layout. Storing ``Ψ·W·Φᵀ`` instead would drop two of the four activation gathers
-of this plain-PyTorch version, but then conversion would copy every weight, the state dict would hold permuted
-weights, and ``Q = 0`` would no longer run the very GEMM of ``nn.Linear`` (bitwise equal outputs for layers without
-bias); a block kernel can fold the gathers and scatters into its own loads and stores.
+Two permutation passes per forward and two per backward (three in "mem" mode, which gathers the input again),
+against four and five with the weight in the model's layout; the price is that a layer's ``weight`` (and its state
+dict entry) is ``W'``, written at conversion and at each merge, and that the ``Q = 0`` layer computes ``nn.Linear``'s
+function up to the GEMM's summation order. :meth:`~fastdora.poetx.layer.PoetXLinear.effective_weight` and
+:meth:`~fastdora.poetx.layer.PoetXLinear.to_linear` give ``R·W·P`` in the model's layout.
 The block products run in ``promote(activation dtype, block dtype)`` (float32 for bfloat16 activations with float32
 blocks) and round once to the activation dtype; the GEMMs run in the activation dtype like ``nn.Linear``. The gradient
 with respect to ``W`` is never computed: ``W`` changes only through merges.
-With an 8-bit base (``weight_scales`` given, :mod:`fastdora.poetx.quant`) ``W`` is int8 codes with group-wise
-scales; the two GEMMs dequantise a bounded chunk of output rows at a time into the activation dtype, so the full
-high-precision weight never exists, and the gradients are those of the same op on the dequantised weight.
+With an 8-bit base (``weight_scales`` given, :mod:`fastdora.poetx.quant`) ``W'`` is int8 codes with group-wise scales
+(groups along the stored frame's input features); the two GEMMs dequantise a bounded chunk of output rows at a time
+into the activation dtype, so the full high-precision weight never exists, and the gradients are those of the same op
+on the dequantised weight.
 
-:func:`rotate` and :func:`block_outer` are a permutation pass (``index_select``), the block products on contiguous
-blocks and the inverse pass. The block products run as Triton kernels (:mod:`fastdora.poetx.kernels`, fp32
-accumulation) for tensors the kernels take (CUDA, float16 / bfloat16 / float32, Triton importable) when no autograd
-graph is being recorded through them; otherwise, and always with ``fastdora.poetx.kernels.ENABLED = False``, the
-PyTorch code below runs: the reference the kernels are tested against.
+:func:`rotate` and :func:`block_outer` (the model's layout: for merges and tests) are a permutation pass
+(``index_select``; a Triton gather where the kernels run), the block products on contiguous blocks and the inverse
+pass. The block products run as Triton
+kernels (:mod:`fastdora.poetx.kernels`, fp32 accumulation) for tensors the kernels take (CUDA, float16 / bfloat16 /
+float32, Triton importable) when no autograd graph is being recorded through them; otherwise, and always with
+``fastdora.poetx.kernels.ENABLED = False``, the PyTorch code below runs: the reference the kernels are tested against.
 """
 
 from __future__ import annotations
@@ -50,10 +56,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from . import cayley as _cayley
 from . import kernels as _kernels
 from . import quant as _quant
 
-__all__ = ["MODES", "rotate", "block_outer", "poetx_linear"]
+__all__ = ["MODES", "rotate", "block_outer", "to_frame", "poetx_linear", "poetx_layer"]
 
 #: "fast" saves the GEMM output ``u`` for the backward; "mem" saves only ``x`` and recomputes ``u`` (one more GEMM)
 MODES = ("fast", "mem")
@@ -82,16 +89,20 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
     return inv
 
 
-def _gather(t: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
-    """``t[..., perm]``: the features of each block side by side."""
+def _gather(t: torch.Tensor, perm: torch.Tensor, kern: Optional[bool] = None) -> torch.Tensor:
+    """``t[..., perm]``: the features of each block side by side (where the kernels run: one Triton launch, a fraction
+    of ``index_select``'s host time)."""
+    if _use_kernels(t, perm) if kern is None else kern:
+        return _kernels.gather(t, perm)
     return t.index_select(-1, perm)
 
 
-def _scatter(t: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+def _scatter(t: torch.Tensor, perm: torch.Tensor, kern: Optional[bool] = None) -> torch.Tensor:
     """The inverse of :func:`_gather`: ``out[..., perm[i]] = t[..., i]`` (where the kernels run: a gather through the
-    cached inverse permutation, measured 4x faster than ``index_copy_`` on the H200)."""
-    if _use_kernels(t, perm):
-        return t.index_select(-1, _inverse(perm))
+    cached inverse permutation, measured 4x faster than ``index_copy_`` on the H200). ``kern``: whether the kernels
+    run, decided once by the caller (default: for these tensors)."""
+    if _use_kernels(t, perm) if kern is None else kern:
+        return _kernels.gather(t, _inverse(perm))
     return torch.empty_like(t).index_copy_(t.dim() - 1, perm, t)
 
 
@@ -101,10 +112,11 @@ def _block_mm(
     transpose: bool,
     bias_p: Optional[torch.Tensor],
     out_dtype: Optional[torch.dtype],
+    kern: Optional[bool] = None,
 ) -> torch.Tensor:
     """Block ``k`` of the gathered rows ``tp`` times ``G_kᵀ`` (``transpose``: ``G_k``), plus the gathered bias, in
     ``promote(tp.dtype, blocks.dtype)``, rounded once to ``out_dtype`` (default ``tp``'s)."""
-    if _use_kernels(tp, blocks, bias_p):
+    if _use_kernels(tp, blocks, bias_p) if kern is None else kern:
         return _kernels.rotate(tp, None, blocks, transpose=transpose, bias=bias_p, out_dtype=out_dtype)
     n_blocks, b = blocks.shape[0], blocks.shape[-1]
     compute = torch.promote_types(tp.dtype, blocks.dtype)
@@ -118,7 +130,7 @@ def _block_mm(
 
 def rotate(
     t: torch.Tensor,
-    perm: torch.Tensor,
+    perm: Optional[torch.Tensor],
     blocks: torch.Tensor,
     *,
     transpose: bool = False,
@@ -129,27 +141,31 @@ def rotate(
 
     Args:
         t: ``[N, d]``, rows are the vectors.
-        perm: ``[d]`` int64 permutation.
+        perm: ``[d]`` int64 permutation, or None: the identity (blocks of contiguous features).
         blocks: ``[d / b, b, b]``.
         bias: optional ``[d]``, added before the single rounding.
         out_dtype: result dtype (default ``t``'s). The products run in ``promote(t.dtype, blocks.dtype)``.
     """
+    if perm is None:
+        return _block_mm(t, blocks, transpose, bias, out_dtype)
     if _kernels.PERMUTE_FUSED and _use_kernels(t, blocks, bias, perm):
         return _kernels.rotate(t, perm, blocks, transpose=transpose, bias=bias, out_dtype=out_dtype)
     bias_p = None if bias is None else bias.index_select(0, perm)
     return _scatter(_block_mm(_gather(t, perm), blocks, transpose, bias_p, out_dtype), perm)
 
 
-def _block_outer(ap: torch.Tensor, bp: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+def _block_outer(ap: torch.Tensor, bp: torch.Tensor, blocks: torch.Tensor, out: Optional[torch.Tensor] = None,
+                 kern: Optional[bool] = None) -> torch.Tensor:
     """``[k, c, j] = Σ_rows ap[row, k·b + c]·bp[row, k·b + j]`` for gathered rows, accumulated in at least float32,
-    in ``blocks``' dtype."""
-    if _kernels.BLOCK_OUTER and _use_kernels(ap, bp, blocks):
-        return _kernels.block_outer(ap, bp, None, blocks)
+    in ``blocks``' dtype (written into ``out`` when given)."""
+    if _kernels.BLOCK_OUTER and (_use_kernels(ap, bp, blocks) if kern is None else kern):
+        return _kernels.block_outer(ap, bp, None, blocks, out)
     n_blocks, size = blocks.shape[0], blocks.shape[-1]
     compute = functools.reduce(torch.promote_types, (ap.dtype, bp.dtype, blocks.dtype, torch.float32))
     ap = ap.to(compute).unflatten(-1, (n_blocks, size))
     bp = bp.to(compute).unflatten(-1, (n_blocks, size))
-    return torch.einsum("nkc,nkj->kcj", ap, bp).to(blocks.dtype)
+    result = torch.einsum("nkc,nkj->kcj", ap, bp).to(blocks.dtype)
+    return result if out is None else out.copy_(result)
 
 
 def block_outer(a: torch.Tensor, b: torch.Tensor, perm: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -161,59 +177,144 @@ def block_outer(a: torch.Tensor, b: torch.Tensor, perm: torch.Tensor, blocks: to
     return _block_outer(_gather(a, perm), _gather(b, perm), blocks)
 
 
+def to_frame(weight: torch.Tensor, perm_in: torch.Tensor, perm_out: torch.Tensor) -> torch.Tensor:
+    """The stored frame of a weight: ``W'[i, j] = W[perm_out[i], perm_in[j]]`` (``Ψ·W·Φᵀ``), a new tensor."""
+    return weight.index_select(0, perm_out).index_select(1, perm_in)
+
+
+
 def _gemm(z, weight, scales, rows):
-    """``z·Wᵀ``: the dense GEMM, or chunk by chunk on the int8 codes (:func:`fastdora.poetx.quant.linear`)."""
+    """``z·W'ᵀ``: the dense GEMM, or chunk by chunk on the int8 codes (:func:`fastdora.poetx.quant.linear`)."""
     return F.linear(z, weight) if scales is None else _quant.linear(z, weight, scales, rows)
 
 
 def _gemm_t(g, weight, scales, rows):
-    """``g·W``: the dense GEMM, or chunk by chunk on the int8 codes (:func:`fastdora.poetx.quant.matmul`)."""
+    """``g·W'``: the dense GEMM, or chunk by chunk on the int8 codes (:func:`fastdora.poetx.quant.matmul`)."""
     return g @ weight if scales is None else _quant.matmul(g, weight, scales, rows)
 
 
+def _forward(x2, weight, scales, rows, bias_p, g_in, g_out, perm_in, perm_out, kern):
+    """``(xp, up, y)``: the gathered input, the GEMM output in the stored frame and the layer output (2-D)."""
+    xp = _gather(x2, perm_in, kern)
+    up = _gemm(_block_mm(xp, g_in, False, None, None, kern), weight, scales, rows)
+    return xp, up, _scatter(_block_mm(up, g_out, False, bias_p, None, kern), perm_out, kern)
+
+
+def _backward(gy, x2, xp, up, weight, scales, rows, g_in, g_out, perm_in, perm_out, need_x, need_g_in, need_g_out,
+              kern, grad_blocks=None):
+    """``(∂L/∂x, ∂L/∂G_in, ∂L/∂G_out)`` (2-D ``∂L/∂x``; None where not needed) from ``gy = ∂L/∂y`` (2-D). ``xp`` and
+    ``up`` are None where the forward did not keep them ("mem": recomputed here). ``grad_blocks``: a contiguous
+    ``[n_in + n_out, b, b]`` tensor the two block gradients are written into (input side first)."""
+    grad_x = grad_g_in = grad_g_out = None
+    out_in = out_out = None
+    if grad_blocks is not None:
+        out_in, out_out = grad_blocks[:g_in.shape[0]], grad_blocks[g_in.shape[0]:]
+    gyp = _gather(gy, perm_out, kern)
+    if xp is None and (need_g_in or (need_g_out and up is None)):
+        xp = _gather(x2, perm_in, kern)
+    if need_g_out:
+        if up is None:  # "mem": recompute the GEMM output
+            up = _gemm(_block_mm(xp, g_in, False, None, None, kern), weight, scales, rows)
+        grad_g_out = _block_outer(gyp, up, g_out, out_out, kern)
+    if need_x or need_g_in:
+        gzp = _gemm_t(_block_mm(gyp, g_out, True, None, None, kern), weight, scales, rows)
+        if need_g_in:
+            grad_g_in = _block_outer(gzp, xp, g_in, out_in, kern)
+        if need_x:
+            grad_x = _scatter(_block_mm(gzp, g_in, True, None, None, kern), perm_in, kern)
+    return grad_x, grad_g_in, grad_g_out
+
+
+def _backward_kernels(*tensors) -> bool:
+    """Whether a node's backward runs the kernels: not while it records a graph (``create_graph=True``: the PyTorch
+    code runs, differentiable)."""
+    return _kernels.applies(*tensors) and not torch.is_grad_enabled()
+
+
+def _grad_bias(gy, dtype):
+    return gy.sum(0, dtype=torch.promote_types(gy.dtype, torch.float32)).to(dtype)
+
+
 class _PoetXLinear(torch.autograd.Function):
-    # Each side's permutation is one pass over the activations (:func:`_gather` / :func:`_scatter`) and the block
-    # products read and write blocks of contiguous features; the gathered rows a backward product shares with a
-    # block gradient are gathered once, and "fast" mode saves the GEMM output gathered (what its block gradient reads).
+    """The layer from its blocks (:func:`poetx_linear`). "fast" saves the gathered input and the GEMM output (what
+    the block gradients read), "mem" the input alone."""
+
     @staticmethod
     def forward(ctx, x, weight, scales, bias, g_in, g_out, perm_in, perm_out, save_gemm_output, rows):
         with torch.autocast(x.device.type, enabled=False):  # the block products pick their own precision
-            x2 = x.reshape(-1, x.shape[-1])
-            z = _scatter(_block_mm(_gather(x2, perm_in), g_in, False, None, None), perm_in)
-            up = _gather(_gemm(z, weight, scales, rows), perm_out)
             bias_p = None if bias is None else bias.index_select(0, perm_out)
-            y = _scatter(_block_mm(up, g_out, False, bias_p, None), perm_out)
-        ctx.save_for_backward(x, weight, scales, g_in, g_out, perm_in, perm_out, up if save_gemm_output else None)
+            xp, up, y = _forward(x.reshape(-1, x.shape[-1]), weight, scales, rows, bias_p, g_in, g_out, perm_in,
+                                 perm_out, _kernels.applies(x, g_in, g_out, bias))
+        if save_gemm_output:
+            ctx.save_for_backward(None, xp, up, weight, scales, g_in, g_out, perm_in, perm_out)
+        else:
+            ctx.save_for_backward(x, None, None, weight, scales, g_in, g_out, perm_in, perm_out)
         ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.rows = rows
+        ctx.rows, ctx.x_shape = rows, x.shape
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, weight, scales, g_in, g_out, perm_in, perm_out, up = ctx.saved_tensors
+        x, xp, up, weight, scales, g_in, g_out, perm_in, perm_out = ctx.saved_tensors
         need_x, _, _, need_bias, need_g_in, need_g_out = ctx.needs_input_grad[:6]
-        grad_x = grad_bias = grad_g_in = grad_g_out = None
-        with torch.autocast(x.device.type, enabled=False):  # the block products pick their own precision
-            x2 = x.reshape(-1, x.shape[-1])
+        with torch.autocast(grad_y.device.type, enabled=False):
+            gy = grad_y.reshape(-1, weight.shape[0])
+            grad_bias = _grad_bias(gy, ctx.bias_dtype) if need_bias else None
+            x2 = None if x is None else x.reshape(-1, x.shape[-1])
+            grad_x, grad_g_in, grad_g_out = _backward(gy, x2, xp, up, weight, scales, ctx.rows, g_in, g_out, perm_in,
+                                                      perm_out, need_x, need_g_in, need_g_out,
+                                                      _backward_kernels(gy, g_in, g_out))
+        if grad_x is not None:
+            grad_x = grad_x.reshape(ctx.x_shape)
+        return grad_x, None, None, grad_bias, grad_g_in, grad_g_out, None, None, None, None
+
+
+class _PoetXLayer(torch.autograd.Function):
+    """The layer from its packed skew parameters (:func:`poetx_layer`): the blocks of both sides from one series (one
+    set of launches), computed inside the node, and their gradients written side by side so that one series backward
+    gives both ``∂L/∂Q``. "fast" also saves the blocks; "mem" recomputes them in the backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, scales, bias, q_in, q_out, perm_in, perm_out, block_size, terms, save, rows):
+        with torch.autocast(x.device.type, enabled=False):
+            g = _cayley.series(q_in, block_size, terms, q_out)
+            n_in = q_in.shape[0]
+            bias_p = None if bias is None else bias.index_select(0, perm_out)
+            xp, up, y = _forward(x.reshape(-1, x.shape[-1]), weight, scales, rows, bias_p, g[:n_in], g[n_in:],
+                                 perm_in, perm_out, _kernels.applies(x, g, bias))
+        if save:
+            ctx.save_for_backward(None, xp, up, g, weight, scales, q_in, q_out, perm_in, perm_out)
+        else:
+            ctx.save_for_backward(x, None, None, None, weight, scales, q_in, q_out, perm_in, perm_out)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.rows, ctx.x_shape, ctx.block_size, ctx.terms = rows, x.shape, block_size, terms
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, xp, up, g, weight, scales, q_in, q_out, perm_in, perm_out = ctx.saved_tensors
+        need_x, _, _, need_bias, need_q_in, need_q_out = ctx.needs_input_grad[:6]
+        grad_x = grad_bias = grad_q_in = grad_q_out = None
+        with torch.autocast(grad_y.device.type, enabled=False):
             gy = grad_y.reshape(-1, weight.shape[0])
             if need_bias:
-                grad_bias = gy.sum(0, dtype=torch.promote_types(gy.dtype, torch.float32)).to(ctx.bias_dtype)
-            gyp = _gather(gy, perm_out)
-            xp = None
-            if need_g_out:
-                if up is None:  # "mem": recompute the GEMM output
-                    xp = _gather(x2, perm_in)
-                    z = _scatter(_block_mm(xp, g_in, False, None, None), perm_in)
-                    up = _gather(_gemm(z, weight, scales, ctx.rows), perm_out)
-                grad_g_out = _block_outer(gyp, up, g_out)
-            if need_x or need_g_in:
-                gu = _scatter(_block_mm(gyp, g_out, True, None, None), perm_out)
-                gzp = _gather(_gemm_t(gu, weight, scales, ctx.rows), perm_in)
-                if need_g_in:
-                    grad_g_in = _block_outer(gzp, _gather(x2, perm_in) if xp is None else xp, g_in)
-                if need_x:
-                    grad_x = _scatter(_block_mm(gzp, g_in, True, None, None), perm_in).reshape(x.shape)
-        return grad_x, None, None, grad_bias, grad_g_in, grad_g_out, None, None, None, None
+                grad_bias = _grad_bias(gy, ctx.bias_dtype)
+            if need_x or need_q_in or need_q_out:
+                if g is None:
+                    g = _cayley.series(q_in, ctx.block_size, ctx.terms, q_out)
+                n_in = q_in.shape[0]
+                grad_g = None
+                if need_q_in or need_q_out:  # a side without a gradient keeps zeros
+                    grad_g = torch.empty_like(g) if need_q_in and need_q_out else torch.zeros_like(g)
+                x2 = None if x is None else x.reshape(-1, x.shape[-1])
+                grad_x, _, _ = _backward(gy, x2, xp, up, weight, scales, ctx.rows, g[:n_in], g[n_in:], perm_in,
+                                         perm_out, need_x, need_q_in, need_q_out, _backward_kernels(gy, g), grad_g)
+                if grad_g is not None:
+                    grad_q_in, grad_q_out = _cayley.series_backward(q_in, grad_g, ctx.block_size, ctx.terms, q_out)
+                    grad_q_in, grad_q_out = grad_q_in if need_q_in else None, grad_q_out if need_q_out else None
+        if grad_x is not None:
+            grad_x = grad_x.reshape(ctx.x_shape)
+        return grad_x, None, None, grad_bias, grad_q_in, grad_q_out, None, None, None, None, None, None
 
 
 def _check(x, weight, bias, g_in, g_out, perm_in, perm_out, mode, weight_scales, chunk_rows) -> None:
@@ -272,12 +373,14 @@ def poetx_linear(
 
     Args:
         x: ``[..., d_in]`` activations, in ``weight``'s dtype (any floating dtype with an int8 weight).
-        weight: ``[d_out, d_in]``, frozen (must not require grad); int8 codes when ``weight_scales`` is given.
+        weight: ``[d_out, d_in]`` in the stored frame (:func:`to_frame`: ``Ψ·W·Φᵀ``), frozen (must not require grad);
+            int8 codes (in that frame) when ``weight_scales`` is given.
         bias: ``[d_out]`` or None; may require grad.
         g_in: ``[d_in / b, b, b]`` input-side blocks ``H`` (from :func:`fastdora.poetx.cayley.cayley_neumann`).
         g_out: ``[d_out / b', b', b']`` output-side blocks ``G``.
         perm_in, perm_out: int64 permutations of ``d_in`` and ``d_out``.
-        mode: "fast" (saves the GEMM output, ``N·d_out`` values) or "mem" (recomputes it in the backward).
+        mode: "fast" (saves the gathered input and the GEMM output, ``N·(d_in + d_out)`` values) or "mem" (saves
+            the input, ``N·d_in`` values, and recomputes the rest in the backward).
         weight_scales: ``[d_out, d_in / G]`` group scales of int8 codes (:mod:`fastdora.poetx.quant`). The GEMMs
             (forward, backward and "mem"'s recompute) then dequantise ``chunk_rows`` output rows at a time into
             ``x``'s dtype; the autograd graph holds the codes and scales, never a dequantised weight.
@@ -291,3 +394,26 @@ def poetx_linear(
     if weight_scales is not None:
         rows = chunk_rows or _quant.chunk_rows(weight.shape[1], x.dtype)
     return _PoetXLinear.apply(x, weight, weight_scales, bias, g_in, g_out, perm_in, perm_out, mode == "fast", rows)
+
+
+def poetx_layer(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    q_in: torch.Tensor,
+    q_out: torch.Tensor,
+    perm_in: torch.Tensor,
+    perm_out: torch.Tensor,
+    block_size: int,
+    terms: int,
+    mode: str,
+    weight_scales: Optional[torch.Tensor] = None,
+    rows: Optional[int] = None,
+) -> torch.Tensor:
+    """:func:`poetx_linear` with the blocks ``G(q_in)``, ``G(q_out)`` (:func:`fastdora.poetx.cayley.cayley_neumann`)
+    computed inside the same autograd node: what :class:`~fastdora.poetx.layer.PoetXLinear` runs. ``q_in`` and
+    ``q_out`` (``[n, b(b−1)/2]`` packed skew parameters of one dtype, plain tensors) receive the gradients. No
+    argument checks beyond those of the tensors' own operations: the layer builds consistent arguments; ``rows`` is
+    the int8 GEMMs' chunk (required with ``weight_scales``)."""
+    return _PoetXLayer.apply(x, weight, weight_scales, bias, q_in, q_out, perm_in, perm_out, block_size, terms,
+                             mode == "fast", rows)

@@ -65,3 +65,9 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     """``‖a − ref‖_F / ‖ref‖_F`` in float64."""
     a, ref = a.detach().to(F64), ref.detach().to(F64)
     return ((a - ref).norm() / ref.norm()).item()
+
+
+def natural_weight(layer) -> torch.Tensor:
+    """A layer's frozen weight in the model's layout: the layer stores ``W'[i, j] = W[perm_out[i], perm_in[j]]``."""
+    stored = layer.weight.detach()
+    return stored[torch.argsort(layer.perm_out)][:, torch.argsort(layer.perm_in)]

@@ -71,6 +71,12 @@ SKIPPED = {
 }
 
 
+
+def _assert_same_function(after, before):
+    """Conversion keeps the function: a converted layer stores its weight in its permutations' frame, so its GEMM adds
+    nn.Linear's products in another order; float32 outputs agree to float32 rounding."""
+    assert oracle.rel_err(after, before) < 1e-6
+
 def _tiny(seed=0):
     torch.manual_seed(seed)
     return Tiny()
@@ -103,7 +109,7 @@ def test_convert_is_exact_and_reports_every_layer():
     assert report.trainable_parameters == 2 * blocks_per_block * n_skew
     assert [n for n, m in model.named_modules() if isinstance(m, PoetXLinear)] == CONVERTED
     assert [model.get_submodule(n).layer_index for n in CONVERTED] == list(range(len(CONVERTED)))
-    assert torch.equal(model(ids), before)
+    _assert_same_function(model(ids), before)
     text = str(report)
     assert "converted 14 linear layers" in text and "skipped lm_head: excluded by 'lm_head'" in text
 
@@ -171,7 +177,7 @@ def test_peft_adapter_layers_are_skipped(use_dora):
             assert report.skipped[f"{prefix}.{i}.{name}"] == PEFT_REASON
     assert not any("lora" in n for n in report.converted + list(report.skipped))
     assert len(report.converted) == 10
-    assert torch.equal(model(ids), before)
+    _assert_same_function(model(ids), before)
 
 
 def test_seed_decides_the_permutations():
@@ -245,7 +251,7 @@ def test_llama_convert_train_merge_export_and_reload():
     report = poetx.convert(model, block_size=B)
     assert len(report.converted) == 14 and report.skipped == {"lm_head": "excluded by 'lm_head'"}
     with torch.no_grad():
-        assert torch.equal(model(ids).logits, before)
+        _assert_same_function(model(ids).logits, before)
 
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     assert frozen == {f"{n}.weight" for n in report.converted}

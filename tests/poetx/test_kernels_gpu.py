@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 from fastdora.poetx import kernels as K  # noqa: E402
 from fastdora.poetx import ops  # noqa: E402
 from fastdora.poetx.cayley import cayley_neumann, skew_size  # noqa: E402
-from fastdora.poetx.ops import poetx_linear  # noqa: E402
+from fastdora.poetx.ops import poetx_layer, poetx_linear  # noqa: E402
 
 DEV = "cuda"
 K.BLOCK_OUTER = True  # the block-gradient kernel (its default; set here so that a changed default keeps it tested)
@@ -54,6 +54,15 @@ def _no_tf32():
     torch.backends.cuda.matmul.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.mark.parametrize("d", [4096, 14336])
+@pytest.mark.parametrize("n", [2048, 8191])
+def test_gather_equals_index_select(n, d):
+    gen = torch.Generator(DEV).manual_seed(n + d)
+    t = torch.randn(n, d, generator=gen, device=DEV).to(BF16)
+    perm = torch.randperm(d, generator=gen, device=DEV)
+    assert torch.equal(K.gather(t, perm), t.index_select(-1, perm))
 
 
 @pytest.mark.parametrize("b", [256, 512])
@@ -120,10 +129,13 @@ def test_cayley(b, terms):
         assert ek <= 2 * ee + 1e-6, f"{name}: kernel {ek:.3g} vs PyTorch {ee:.3g}"
 
 
+@pytest.mark.parametrize("entry", ["blocks", "packed"])
 @pytest.mark.parametrize("mode", ["fast", "mem"])
 @pytest.mark.parametrize("d_in, d_out, b, n", [(4096, 4096, 256, 2048), (4096, 14336, 512, 2048),
                                                (14336, 4096, 256, 4095)], ids=str)
-def test_layer(d_in, d_out, b, n, mode):
+def test_layer(d_in, d_out, b, n, mode, entry):
+    """``entry="blocks"``: ``poetx_linear`` with the blocks from ``cayley_neumann``; ``"packed"``: ``poetx_layer``,
+    the blocks built inside the node (what ``PoetXLinear`` runs)."""
     gen = torch.Generator(DEV).manual_seed(d_in + d_out + b)
 
     def randn(*shape, scale=1.0):
@@ -141,8 +153,11 @@ def test_layer(d_in, d_out, b, n, mode):
     def run(dtype, q_dtype):
         xs, bs, qi, qo = (t.to(dt).clone().requires_grad_() for t, dt in
                           ((x, dtype), (bias, dtype), (q_in, q_dtype), (q_out, q_dtype)))
-        y = poetx_linear(xs, weight.to(dtype), bs, cayley_neumann(qi, b), cayley_neumann(qo, b), perm_in, perm_out,
-                         mode)
+        if entry == "blocks":
+            y = poetx_linear(xs, weight.to(dtype), bs, cayley_neumann(qi, b), cayley_neumann(qo, b), perm_in, perm_out,
+                             mode)
+        else:
+            y = poetx_layer(xs, weight.to(dtype), bs, qi, qo, perm_in, perm_out, b, 3, mode)
         y.backward(grad_y.to(dtype))
         return y, xs.grad, bs.grad, qi.grad, qo.grad
 

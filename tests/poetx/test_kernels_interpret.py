@@ -23,7 +23,7 @@ import torch
 from fastdora.poetx import kernels as K
 from fastdora.poetx import ops
 from fastdora.poetx.cayley import cayley_neumann, neumann_series, skew_from_packed, skew_size
-from fastdora.poetx.ops import poetx_linear
+from fastdora.poetx.ops import poetx_layer, poetx_linear
 
 from . import oracle
 
@@ -91,15 +91,21 @@ def _layer_case(d_in, d_out, b, n_tokens, dtype, q_dtype, seed=0, q_scale=0.2):
     )
 
 
-def _run_layer(case, mode, terms=3):
-    """Output and gradients (x, bias, q_in, q_out) of ``poetx_linear`` on the case."""
+def _run_layer(case, mode, terms=3, entry="blocks"):
+    """Output and gradients (x, bias, q_in, q_out) on the case of ``poetx_linear`` (``entry="blocks"``: the blocks
+    from ``cayley_neumann``) or of ``poetx_layer`` (``"packed"``: the blocks built inside the node, as the layer
+    runs)."""
     x = case["x"].clone().requires_grad_()
     bias = case["bias"].clone().requires_grad_()
     q_in = case["q_in"].clone().requires_grad_()
     q_out = case["q_out"].clone().requires_grad_()
     b = case["b"]
-    y = poetx_linear(x, case["weight"], bias, cayley_neumann(q_in, b, terms), cayley_neumann(q_out, b, terms),
-                     case["perm_in"], case["perm_out"], mode)
+    stored = case["weight"][case["perm_out"]][:, case["perm_in"]]  # the weight in its permutations' frame
+    if entry == "blocks":
+        y = poetx_linear(x, stored, bias, cayley_neumann(q_in, b, terms), cayley_neumann(q_out, b, terms),
+                         case["perm_in"], case["perm_out"], mode)
+    else:
+        y = poetx_layer(x, stored, bias, q_in, q_out, case["perm_in"], case["perm_out"], b, terms, mode)
     (y.double() * case["grad_y"]).sum().backward()
     return y, x.grad, bias.grad, q_in.grad, q_out.grad
 
@@ -129,7 +135,7 @@ if not _INNER:
         """Without the interpreter's opt-in, CPU tensors never reach a kernel (a launch here would fail)."""
         assert K.DEVICE_TYPES == ("cuda",)
         case = _layer_case(16, 8, 4, 3, F32, F32)
-        with _counting("rotate", "block_outer", "cayley_forward", "cayley_backward") as calls:
+        with _counting("gather", "rotate", "block_outer", "cayley_forward", "cayley_backward") as calls:
             _run_layer(case, "fast")
         assert calls == dict.fromkeys(calls, 0)
 
@@ -158,6 +164,17 @@ else:
         # near-orthogonal blocks of the size a trained layer has: I + a random matrix of norm ~0.3
         g = torch.eye(b, dtype=F64) + 0.3 * torch.randn(n_blocks, b, b, generator=gen, dtype=F64) / b ** 0.5
         return g.to(dtype)
+
+    @pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=lambda v: str(v).replace("torch.", ""))
+    @pytest.mark.parametrize("shape, d", [((5, 12), 12), ((3, 7, 24), 24), ((1, 1030), 1030), ((9, 3), 3)], ids=str)
+    def test_gather_equals_index_select(shape, d, dtype):
+        """The permutation pass: bitwise ``index_select`` (odd sizes, several batch dims, more than one column tile,
+        a row stride that is not the width)."""
+        gen = torch.Generator().manual_seed(d)
+        t = torch.randn(*shape[:-1], 2 * d, generator=gen).to(dtype)[..., d // 2:d // 2 + d]  # strided rows
+        perm = torch.randperm(d, generator=gen)
+        assert torch.equal(K.gather(t, perm), t.index_select(-1, perm))
+        assert K.gather(t[:0], perm).shape == t[:0].shape
 
     # (activation dtype, block dtype): split products, one half product, float32 products, mixed half dtypes
     ROTATE_DTYPES = [(F32, F32), (BF16, F32), (F16, F32), (BF16, BF16), (F16, BF16)]
@@ -369,19 +386,24 @@ else:
     LAYER_DTYPES = [(F32, F32), (BF16, F32), (F16, F32)]
     REL_ORACLE = {F32: 1e-6, BF16: 1e-2, F16: 2e-3}
 
+    @pytest.mark.parametrize("entry", ["blocks", "packed"])
     @pytest.mark.parametrize("mode", ["fast", "mem"])
     @pytest.mark.parametrize("dtype, qdt", LAYER_DTYPES, ids=lambda v: str(v).replace("torch.", ""))
     @pytest.mark.parametrize("d_in, d_out, b, n", [(32, 16, 8, 13), (16, 48, 16, 7), (12, 8, 4, 9)], ids=str)
-    def test_layer_through_the_kernels(d_in, d_out, b, n, dtype, qdt, mode):
+    def test_layer_through_the_kernels(d_in, d_out, b, n, dtype, qdt, mode, entry):
         case = _layer_case(d_in, d_out, b, n, dtype, qdt)
-        with _counting("rotate", "block_outer", "cayley_forward", "cayley_backward") as calls:
-            got = _run_layer(case, mode)
-        # forward: 2 rotations, 2 block builds; backward: 2 rotations (mem: 1 more, the recomputed GEMM input), 2 block
-        # gradients, 2 block backwards
-        expected = {"rotate": 4 + (mode == "mem"), "block_outer": 2, "cayley_forward": 2, "cayley_backward": 2}
+        with _counting("gather", "rotate", "block_outer", "cayley_forward", "cayley_backward") as calls:
+            got = _run_layer(case, mode, entry=entry)
+        # forward: 2 permutation passes, 2 rotations, the blocks (one series per side, or one for both inside the
+        # node); backward: 2 permutation passes (mem: 1 more, the input gathered again), 2 rotations (mem: 1 more, the
+        # recomputed GEMM input), 2 block gradients, the series backward (per side, or once for both; mem: the node
+        # builds its blocks again)
+        series = {"blocks": 2, "packed": 1}[entry]
+        expected = {"gather": 4 + (mode == "mem"), "rotate": 4 + (mode == "mem"), "block_outer": 2,
+                    "cayley_forward": series + (entry == "packed" and mode == "mem"), "cayley_backward": series}
         assert calls == expected, calls
         with _kernels_off():
-            ref = _run_layer(case, mode)
+            ref = _run_layer(case, mode, entry=entry)
         exact = _oracle_layer(case)
         names = ("output", "grad x", "grad bias", "grad q_in", "grad q_out")
         for name, k, e, r in zip(names, got, ref, exact):
@@ -393,9 +415,10 @@ else:
     def test_layer_terms_and_modes_agree():
         """Other term counts through the kernels against the oracle; fast and mem modes give identical results."""
         case = _layer_case(16, 16, 8, 5, F32, F32, seed=4)
-        for terms in (1, 2, 4):
-            got, exact = _run_layer(case, "fast", terms), _oracle_layer(case, terms)
-            for k, r in zip(got, exact):
-                assert _rel(k, r) <= 1e-6
-        for a, c in zip(_run_layer(case, "fast"), _run_layer(case, "mem")):
-            assert torch.equal(a, c)
+        for entry in ("blocks", "packed"):
+            for terms in (1, 2, 4):
+                got, exact = _run_layer(case, "fast", terms, entry), _oracle_layer(case, terms)
+                for k, r in zip(got, exact):
+                    assert _rel(k, r) <= 1e-6
+            for a, c in zip(_run_layer(case, "fast", entry=entry), _run_layer(case, "mem", entry=entry)):
+                assert torch.equal(a, c)
