@@ -7,8 +7,9 @@ host time (the step's Python returns before the GPU is done: the time to issue t
 ``torch.profiler``: the sum of the GPU kernels' time and the largest kernels. Host time close to the wall time with GPU
 kernel time below it: the step is bound by the host.
 
-Usage (CUDA):
+Usage:
   python benchmarks/poetx_step_profile.py --out poetx_step_profile.json            # AdamW, POET-X fast / mem, 8 layers
+  python benchmarks/poetx_step_profile.py --tiny --device cpu                       # checks the script (CPU op times)
 """
 
 from __future__ import annotations
@@ -28,21 +29,23 @@ CONFIGS = {"adamw": dict(method="adamw"), "poetx-fast": dict(method="poetx", mod
            "poetx-mem": dict(method="poetx", mode="mem")}
 
 
-def profile(name: str, layers: int, block: int, seq: int, top: int) -> dict:
+def profile(name: str, shape: str, layers: int, block: int, seq: int, top: int, device: str) -> dict:
     import torch
 
     import poetx_model_bench as pmb
 
-    dev = torch.device("cuda")
-    model = pmb.build_model("llama3-8b", layers, torch.bfloat16, dev)
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    model = pmb.build_model(shape, layers, torch.bfloat16, dev)
     c = dict(CONFIGS[name], block=block, weight_format="dense", layers=layers)
-    model, groups, _ = pmb.setup_method(model, c, types.SimpleNamespace(lr=1e-5, shape="llama3-8b"), dev)
+    model, groups, _ = pmb.setup_method(model, c, types.SimpleNamespace(lr=1e-5, shape=shape), dev)
     model.train()
-    opt = torch.optim.AdamW(groups, betas=(0.9, 0.95), eps=1e-8, fused=True)
-    ids = torch.randint(0, pmb.SHAPES["llama3-8b"]["vocab_size"], (1, seq), device=dev)
+    opt = torch.optim.AdamW(groups, betas=(0.9, 0.95), eps=1e-8, **(dict(fused=True) if cuda else {}))
+    ids = torch.randint(0, pmb.SHAPES[shape]["vocab_size"], (1, seq), device=dev)
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         opt.step()
@@ -52,26 +55,28 @@ def profile(name: str, layers: int, block: int, seq: int, top: int) -> dict:
         step()
     walls, hosts = [], []
     for _ in range(6):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         step()
         t1 = time.perf_counter()
-        torch.cuda.synchronize()
+        sync()
         walls.append(time.perf_counter() - t0)
         hosts.append(t1 - t0)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    # on the CPU (a check of the script) the "kernels" are the operators' own CPU times
+    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+    with torch.profiler.profile(activities=[activity]) as prof:
         step()
-        torch.cuda.synchronize()
+        sync()
     kernels = {}
     for e in prof.key_averages():
-        us = getattr(e, "self_device_time_total", 0) or 0
-        if us and e.device_type == torch.autograd.DeviceType.CUDA:
+        us = (getattr(e, "self_device_time_total", 0) if cuda else e.self_cpu_time_total) or 0
+        if us and e.device_type == (torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU):
             kernels[e.key] = (us / 1e3, e.count)
-    rec = dict(config=name, layers=layers, block=block, seq=seq, wall_ms=statistics.median(walls) * 1e3,
+    rec = dict(config=name, shape=shape, layers=layers, block=block, seq=seq, wall_ms=statistics.median(walls) * 1e3,
                host_ms=statistics.median(hosts) * 1e3, gpu_kernel_ms=sum(v[0] for v in kernels.values()),
                kernels=[[k[:100], ms, n] for k, (ms, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]])
-    print(f"{name} L={layers}: wall {rec['wall_ms']:.1f} ms, host (no sync) {rec['host_ms']:.1f} ms, GPU kernels "
-          f"{rec['gpu_kernel_ms']:.1f} ms", flush=True)
+    print(f"{name} L={layers}: wall {rec['wall_ms']:.1f} ms, host (no sync) {rec['host_ms']:.1f} ms, "
+          f"{'GPU kernels' if cuda else 'CPU operators'} {rec['gpu_kernel_ms']:.1f} ms", flush=True)
     for k, ms, n in rec["kernels"]:
         print(f"    {ms:8.2f} ms x{n:<5} {k}", flush=True)
     return rec
@@ -85,22 +90,29 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes (checks the script, measures nothing useful)")
     a = ap.parse_args()
     import torch
 
-    if not torch.cuda.is_available():
-        ap.error("needs a CUDA device")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        ap.error("no CUDA device (use --tiny --device cpu to check the script)")
+    shape = "tiny" if a.tiny else "llama3-8b"
+    if a.tiny:
+        a.layers, a.block, a.seq = 1, 16, 32
     names = [n for n in a.configs.split(",") if n]
     unknown = sorted(set(names) - set(CONFIGS))
     if unknown:
         ap.error(f"unknown configs {unknown}")
     rows = []
     for n in names:
-        rows.append(profile(n, a.layers, a.block, a.seq, a.top))
-        torch.cuda.empty_cache()  # the config's model and optimizer went with its frame
+        rows.append(profile(n, shape, a.layers, a.block, a.seq, a.top, a.device))
+        if a.device == "cuda":
+            torch.cuda.empty_cache()  # the config's model and optimizer went with its frame
     if a.out:
+        device = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
         with open(a.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+            json.dump(dict(device=device, torch=torch.__version__, tiny=a.tiny, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

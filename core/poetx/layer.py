@@ -128,8 +128,8 @@ class PoetXLinear(nn.Module):
     ``G = 128`` is 0.4% (uniform rows) to 0.7% (Gaussian-like rows) of the weight's RMS. The roundings add up as a
     random walk: on a 64×256 layer (``G = 128``, Q entries of scale 0.02 before each merge), the dequantised weight's
     relative Frobenius distance from the exact float64 product of all the rotations was 0.45% after one merge and
-    4.3% after 50 (``tests/poetx/test_quant.py``, bound 7%), against 1e-6 for a float32 weight; merges with ``Q = 0``
-    reproduce the codes.
+    4.3% after 50 (``tests/poetx/test_quant.py``, bound 7%), against 1e-6 for a float32 weight. A merge with ``Q = 0``
+    quantises the same weight in the new permutations' frame (new groups): within half a new scale of it (tested).
     ``module.to(dtype)`` casts the scales like any floating buffer: keep them float32.
     """
 

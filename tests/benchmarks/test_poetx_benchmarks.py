@@ -2,8 +2,8 @@
 computes (same permutations, same merges); ``poetx_model_bench.py``'s plan, target checks and a whole tiny run on the
 CPU (one process per config, an out-of-memory config recorded as a result, a failing one as an error, the rest going
 on); ``poetx_convergence.py``'s summary and a whole tiny run (the three runs in parallel processes); the layer
-benchmark with the plain layer moved to the shared module; ``run_h200.sh``'s POET-X subcommands. Timings are not
-asserted (the H200 runs are in ``benchmarks/results/``)."""
+benchmark with the plain layer moved to the shared module; ``run_h200.sh``'s POET-X subcommands; a tiny run of
+``poetx_step_profile.py``. Timings are not asserted (the H200 runs are in ``benchmarks/results/``)."""
 
 from __future__ import annotations
 
@@ -323,3 +323,16 @@ def test_run_h200_lists_the_poetx_subcommands():
     assert r.returncode == 2
     for sub in ("poetx-layer", "poetx-model", "poetx-train"):
         assert sub in r.stderr
+
+
+def test_step_profile_tiny_end_to_end(tmp_path):
+    """``poetx_step_profile.py --tiny --device cpu``: every config runs its steps and the profiled one; the JSON has a
+    row per config with its times and its largest operators."""
+    out = tmp_path / "profile.json"
+    r = subprocess.run([sys.executable, os.path.join(BENCH, "poetx_step_profile.py"), "--tiny", "--device", "cpu",
+                        "--out", str(out)], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["tiny"] and [row["config"] for row in doc["rows"]] == ["adamw", "poetx-fast", "poetx-mem"]
+    for row in doc["rows"]:
+        assert row["wall_ms"] > 0 and row["host_ms"] > 0 and row["gpu_kernel_ms"] > 0 and row["kernels"]
