@@ -8,8 +8,9 @@ host time (the step's Python returns before the GPU is done: the time to issue t
 kernel time below it: the step is bound by the host.
 
 Usage:
-  python benchmarks/poetx_step_profile.py --out poetx_step_profile.json            # AdamW, POET-X fast / mem, 8 layers
-  python benchmarks/poetx_step_profile.py --tiny --device cpu                       # checks the script (CPU op times)
+  python benchmarks/poetx_step_profile.py --out poetx_step_profile.json  # AdamW, POET-X fast (batched and per-layer
+                                                                         # series) / mem, 8 layers
+  python benchmarks/poetx_step_profile.py --tiny --device cpu            # checks the script (CPU op times)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 CONFIGS = {"adamw": dict(method="adamw"), "poetx-fast": dict(method="poetx", mode="fast"),
+           "poetx-fast-layerwise": dict(method="poetx", mode="fast", series="layerwise"),
            "poetx-mem": dict(method="poetx", mode="mem")}
 
 

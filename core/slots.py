@@ -43,6 +43,7 @@ from . import cache as _cache
 from . import dispatch as _dispatch
 from . import distributed as _distributed
 from . import layers as _layers
+from ._backward_window import around_backward
 from .config import SETTINGS as _S
 from .stats import active_path_counter, record
 
@@ -160,34 +161,19 @@ def _leave(model: nn.Module, args, output) -> None:
             root.active = False
 
 
-def _grad_outputs(output) -> list:
-    if isinstance(output, torch.Tensor):
-        return [output] if output.requires_grad else []
-    if isinstance(output, dict):  # (transformers' ModelOutput too)
-        output = list(output.values())
-    if isinstance(output, (list, tuple)):
-        return [t for o in output for t in _grad_outputs(o)]
-    return []
-
-
 def _arm_backward(root: Root, output) -> None:
     """Make ``root`` active again while the backward of this forward runs: a checkpointed layer called (compiled)
     inside the forward runs its forward again there, and must take the same graph (same slots, same saved tensors;
     ``torch.utils.checkpoint`` checks them). Active from the first gradient reaching the model's outputs (before any
     layer of the model) to the end of that backward."""
-    tensors = _grad_outputs(output)
-    if not tensors:
-        return
 
-    def arm(_grads) -> None:
+    def arm() -> None:
         root.active = True
 
-        def disarm() -> None:
-            root.active = root.active and (root.depth > 0 or root.holds > 0)
+    def disarm() -> None:
+        root.active = root.active and (root.depth > 0 or root.holds > 0)
 
-        torch.autograd.Variable._execution_engine.queue_callback(disarm)
-
-    torch.autograd.graph.register_multi_grad_hook(tensors, arm, mode="any")
+    around_backward(output, arm, disarm)
 
 
 def install(model: nn.Module) -> int:

@@ -8,6 +8,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
+from . import batch as _batch
 from . import quant
 from .layer import WEIGHT_FORMATS, PoetXLinear
 from .ops import MODES
@@ -201,6 +202,8 @@ def convert(
                 visit(child, f"{name}.")
 
     visit(model, "")
+    # one Cayley series per forward for all fast-mode layers (fastdora.poetx.batch)
+    _batch.install(model, [m for m in model.modules() if isinstance(m, PoetXLinear)])
     return ConvertReport(converted, skipped, trainable, block_size, merge_interval, mode, terms, seed,
                          from_scratch_normalize, weight_format, group_size)
 
@@ -229,6 +232,7 @@ def export(model: nn.Module) -> nn.Module:
     keys and loads into a fresh copy of the original architecture."""
     if isinstance(model, PoetXLinear):
         return model.to_linear()
+    _batch.uninstall(model)
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
             if isinstance(child, PoetXLinear):

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from . import quant
+from .batch import blocks_for
 from .cayley import cayley_neumann, skew_size
 from .ops import MODES, poetx_layer, poetx_linear, rotate, to_frame
 
@@ -245,7 +246,7 @@ class PoetXLinear(nn.Module):
             return poetx_linear(x, weight, bias, g_in, g_out, self.perm_in, self.perm_out, self.mode,
                                 weight_scales=scales, chunk_rows=rows)
         return poetx_layer(x, weight, bias, q_in, q_out, self.perm_in, self.perm_out, self.block_size, self.terms,
-                           self.mode, scales, rows)
+                           self.mode, scales, rows, blocks_for(self, q_in, q_out))
 
     def _compute_dtype(self) -> torch.dtype:
         weight_dtype = self.weight_dtype if self.weight is None else self.weight.dtype

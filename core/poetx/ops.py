@@ -275,26 +275,32 @@ class _PoetXLayer(torch.autograd.Function):
     gives both ``∂L/∂Q``. "fast" also saves the blocks; "mem" recomputes them in the backward."""
 
     @staticmethod
-    def forward(ctx, x, weight, scales, bias, q_in, q_out, perm_in, perm_out, block_size, terms, save, rows):
+    def forward(ctx, x, weight, scales, bias, q_in, q_out, perm_in, perm_out, block_size, terms, save, rows, given):
         with torch.autocast(x.device.type, enabled=False):
-            g = _cayley.series(q_in, block_size, terms, q_out)
-            n_in = q_in.shape[0]
+            if given is None:
+                g = _cayley.series(q_in, block_size, terms, q_out)
+            else:  # the blocks of both sides, computed by the caller (a batched series): their gradient is returned
+                g = given
+            n_in = x.shape[-1] // block_size
             bias_p = None if bias is None else bias.index_select(0, perm_out)
             xp, up, y = _forward(x.reshape(-1, x.shape[-1]), weight, scales, rows, bias_p, g[:n_in], g[n_in:],
                                  perm_in, perm_out, _kernels.applies(x, g, bias))
         if save:
             ctx.save_for_backward(None, xp, up, g, weight, scales, q_in, q_out, perm_in, perm_out)
-        else:
-            ctx.save_for_backward(x, None, None, None, weight, scales, q_in, q_out, perm_in, perm_out)
+        else:  # ("mem": the blocks are recomputed from Q, unless they were given)
+            ctx.save_for_backward(x, None, None, given, weight, scales, q_in, q_out, perm_in, perm_out)
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.rows, ctx.x_shape, ctx.block_size, ctx.terms = rows, x.shape, block_size, terms
+        ctx.given = given is not None
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_y):
         x, xp, up, g, weight, scales, q_in, q_out, perm_in, perm_out = ctx.saved_tensors
         need_x, _, _, need_bias, need_q_in, need_q_out = ctx.needs_input_grad[:6]
-        grad_x = grad_bias = grad_q_in = grad_q_out = None
+        if ctx.given:  # the gradient goes to the given blocks (both sides), not to the Q it was computed from
+            need_q_in = need_q_out = ctx.needs_input_grad[12]
+        grad_x = grad_bias = grad_q_in = grad_q_out = grad_given = None
         with torch.autocast(grad_y.device.type, enabled=False):
             gy = grad_y.reshape(-1, weight.shape[0])
             if need_bias:
@@ -302,19 +308,21 @@ class _PoetXLayer(torch.autograd.Function):
             if need_x or need_q_in or need_q_out:
                 if g is None:
                     g = _cayley.series(q_in, ctx.block_size, ctx.terms, q_out)
-                n_in = q_in.shape[0]
+                n_in = ctx.x_shape[-1] // ctx.block_size
                 grad_g = None
                 if need_q_in or need_q_out:  # a side without a gradient keeps zeros
                     grad_g = torch.empty_like(g) if need_q_in and need_q_out else torch.zeros_like(g)
                 x2 = None if x is None else x.reshape(-1, x.shape[-1])
                 grad_x, _, _ = _backward(gy, x2, xp, up, weight, scales, ctx.rows, g[:n_in], g[n_in:], perm_in,
                                          perm_out, need_x, need_q_in, need_q_out, _backward_kernels(gy, g), grad_g)
-                if grad_g is not None:
+                if grad_g is not None and ctx.given:
+                    grad_given = grad_g
+                elif grad_g is not None:
                     grad_q_in, grad_q_out = _cayley.series_backward(q_in, grad_g, ctx.block_size, ctx.terms, q_out)
                     grad_q_in, grad_q_out = grad_q_in if need_q_in else None, grad_q_out if need_q_out else None
         if grad_x is not None:
             grad_x = grad_x.reshape(ctx.x_shape)
-        return grad_x, None, None, grad_bias, grad_q_in, grad_q_out, None, None, None, None, None, None
+        return grad_x, None, None, grad_bias, grad_q_in, grad_q_out, None, None, None, None, None, None, grad_given
 
 
 def _check(x, weight, bias, g_in, g_out, perm_in, perm_out, mode, weight_scales, chunk_rows) -> None:
@@ -409,11 +417,19 @@ def poetx_layer(
     mode: str,
     weight_scales: Optional[torch.Tensor] = None,
     rows: Optional[int] = None,
+    blocks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """:func:`poetx_linear` with the blocks ``G(q_in)``, ``G(q_out)`` (:func:`fastdora.poetx.cayley.cayley_neumann`)
     computed inside the same autograd node: what :class:`~fastdora.poetx.layer.PoetXLinear` runs. ``q_in`` and
     ``q_out`` (``[n, b(b−1)/2]`` packed skew parameters of one dtype, plain tensors) receive the gradients. No
     argument checks beyond those of the tensors' own operations: the layer builds consistent arguments; ``rows`` is
-    the int8 GEMMs' chunk (required with ``weight_scales``)."""
+    the int8 GEMMs' chunk (required with ``weight_scales``).
+
+    ``blocks``: the blocks of both sides already computed (``[d_in / b + d_out / b, b, b]``, input side first: those
+    of ``q_in`` and ``q_out`` from a series over many layers, :mod:`fastdora.poetx.batch`); the node then takes them
+    as its input instead of ``q_in`` and ``q_out`` (which may be None) and returns their gradient, one
+    ``[d_in / b + d_out / b, b, b]`` tensor."""
+    if blocks is not None:
+        q_in = q_out = None
     return _PoetXLayer.apply(x, weight, weight_scales, bias, q_in, q_out, perm_in, perm_out, block_size, terms,
-                             mode == "fast", rows)
+                             mode == "fast", rows, blocks)

@@ -131,20 +131,22 @@ def test_model_plan_priority_order(bench):
     cfgs = pxm.plan_configs("h200", "llama3-8b", 8)
     names = [(c["name"], c["layers"]) for c in cfgs]
     assert len(names) == len(set(names))
-    # 1. the targets at full depth come first
-    assert names[:5] == [("adamw", 32), ("poetx-fast-b256", 32), ("poetx-mem-b256", 32), ("poetx-int8-b256", 32),
-                         ("lora-r160", 32)]
+    # 1. the targets at full depth come first, then fast mode with per-layer series beside them
+    assert names[:6] == [("adamw", 32), ("poetx-fast-b256", 32), ("poetx-mem-b256", 32), ("poetx-int8-b256", 32),
+                         ("lora-r160", 32), ("poetx-fast-b256-layerwise", 32)]
+    assert cfgs[5]["series"] == "layerwise" and "series" not in cfgs[1]
     # 2. b=512 at full depth, 3. the same eight configs at 8 layers, 4. the extra rows at full depth
-    assert names[5:8] == [(f"poetx-{k}-b512", 32) for k in ("fast", "mem", "int8")]
-    assert sorted(n for n, L in names[8:16]) == sorted(n for n, _ in names[:8]) and {L for _, L in names[8:16]} == {8}
-    assert names[16:] == [("poetx-fast-b256-qbf16", 32), ("poetx-mem-b256-qbf16", 32), ("adamw-foreach", 32),
+    assert names[6:9] == [(f"poetx-{k}-b512", 32) for k in ("fast", "mem", "int8")]
+    eight = sorted(n for n, _ in names[:9] if not n.endswith("-layerwise"))
+    assert sorted(n for n, L in names[9:17]) == eight and {L for _, L in names[9:17]} == {8}
+    assert names[17:] == [("poetx-fast-b256-qbf16", 32), ("poetx-mem-b256-qbf16", 32), ("adamw-foreach", 32),
                           ("adamw-fp32-master", 32)]
     int8 = [c for c in cfgs if c["name"].startswith("poetx-int8")]
     assert all(c["weight_format"] == "int8" and c["mode"] == "mem" for c in int8)
     assert all(c["full_depth"] == (c["layers"] == 32) for c in cfgs)
-    assert [c["name"] for c in pxm.plan_configs("targets", "llama3-8b", 8)] == [n for n, _ in names[:5]]
+    assert [c["name"] for c in pxm.plan_configs("targets", "llama3-8b", 8)] == [n for n, _ in names[:6]]
     # --layers at full depth: one run per config
-    assert len(pxm.plan_configs("h200", "llama3-8b", 32)) == 12
+    assert len(pxm.plan_configs("h200", "llama3-8b", 32)) == 13
 
 
 def test_model_target_checks(bench):
@@ -232,7 +234,7 @@ def test_model_bench_budget_skips_the_tail(tmp_path):
                        env=_env(), cwd=REPO, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads((out / "poetx_model_bench.json").read_text())
-    assert doc["results"] == [] and len(doc["skipped"]) == 5
+    assert doc["results"] == [] and len(doc["skipped"]) == 6
     assert "Skipped (time budget): adamw L=2" in (out / "poetx_model_bench.md").read_text()
     r = subprocess.run([sys.executable, os.path.join(BENCH, "poetx_model_bench.py"), "--tiny", "--device", "cpu",
                         "--out", str(out), "--configs", "adamw,nope"], capture_output=True, text=True, env=_env(),
@@ -333,6 +335,7 @@ def test_step_profile_tiny_end_to_end(tmp_path):
                         "--out", str(out)], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads(out.read_text())
-    assert doc["tiny"] and [row["config"] for row in doc["rows"]] == ["adamw", "poetx-fast", "poetx-mem"]
+    assert doc["tiny"] and [row["config"] for row in doc["rows"]] == ["adamw", "poetx-fast", "poetx-fast-layerwise",
+                                                                      "poetx-mem"]
     for row in doc["rows"]:
         assert row["wall_ms"] > 0 and row["host_ms"] > 0 and row["gpu_kernel_ms"] > 0 and row["kernels"]

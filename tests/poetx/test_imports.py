@@ -1,5 +1,6 @@
 """fastdora.poetx stands alone: it imports torch and the standard library, never transformers or peft, and of
-fastdora only the shared base modules (config, compat, stats, and _launch, the cached Triton launcher), none of the
+fastdora only the shared base modules (config, compat, stats, _launch, the cached Triton launcher, and
+_backward_window, callbacks around a forward's backward), none of the
 DoRA implementation. Its Triton kernels
 (kernels*.py, the only modules that may import triton) live inside it."""
 
@@ -10,7 +11,7 @@ import sys
 from pathlib import Path
 
 POETX = Path(__file__).resolve().parents[2] / "core" / "poetx"
-ALLOWED_PARENT = {"config", "compat", "stats", "_launch"}
+ALLOWED_PARENT = {"config", "compat", "stats", "_launch", "_backward_window"}
 
 
 def _imports(path: Path):

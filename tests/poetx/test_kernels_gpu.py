@@ -169,3 +169,36 @@ def test_layer(d_in, d_out, b, n, mode, entry):
         assert k.dtype == e.dtype and k.shape == e.shape, name
         ek, ee = _rel(k, r), _rel(e, r)
         assert ek <= 2 * ee + 8e-3, f"{name}: kernel rel err {ek:.3g} vs PyTorch {ee:.3g}"
+
+
+def test_batched_series_equals_each_layers_own_series():
+    """A model's fast-mode layers with one series per forward (``fastdora.poetx.batch``) against each layer's own
+    series, through the kernels (bf16 activations, float32 Q): the series of every block is computed independently of
+    the others, so outputs and gradients are bitwise equal."""
+    import copy
+
+    from torch import nn
+
+    from fastdora import active_path_counter, poetx
+    from fastdora.poetx import batch
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4096, 1024), nn.GELU(), nn.Linear(1024, 4096), nn.Linear(4096, 512)).to(DEV, BF16)
+    poetx.convert(model, block_size=256, exclude=())
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dtype == F32:
+                p.normal_(0, 0.3 / 16)
+    reference = copy.deepcopy(model)
+    batch.uninstall(reference)
+    x = torch.randn(2, 1000, 4096, device=DEV, dtype=BF16)
+    out = []
+    for m in (model, reference):
+        active_path_counter.clear()
+        y = m(x)
+        y.float().square().sum().backward()
+        out.append((y, active_path_counter["poetx:batched_series"], {n: p.grad for n, p in m.named_parameters()}))
+    assert out[0][1] == 3 and out[1][1] == 0
+    assert torch.equal(out[0][0], out[1][0])
+    for name, grad in out[0][2].items():
+        assert torch.equal(grad, out[1][2][name]), name
