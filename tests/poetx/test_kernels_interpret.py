@@ -422,3 +422,36 @@ else:
                     assert _rel(k, r) <= 1e-6
             for a, c in zip(_run_layer(case, "fast", entry=entry), _run_layer(case, "mem", entry=entry)):
                 assert torch.equal(a, c)
+
+    def test_batched_series_through_the_kernels():
+        """A converted model's batched series (fastdora.poetx.batch) through the kernels, bfloat16 activations with
+        float32 Q: outputs and gradients bitwise those of each layer's own series; the series kernels run once per
+        chunk instead of once per layer."""
+        import copy
+
+        from torch import nn
+
+        from fastdora import poetx
+        from fastdora.poetx import batch
+
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 16), nn.Linear(16, 8)).to(BF16)
+        poetx.convert(model, block_size=8, exclude=())
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dtype == F32:
+                    p.normal_(0, 0.1)
+        reference = copy.deepcopy(model)
+        batch.uninstall(reference)
+        x = torch.randn(2, 5, 16, dtype=BF16)
+        out = []
+        for m in (model, reference):
+            with _counting("_UNPACK", "_PACK") as calls:
+                y = m(x)
+                y.float().square().sum().backward()
+            out.append((y, calls, {n: p.grad for n, p in m.named_parameters() if p.requires_grad}))
+        assert out[0][1] == {"_UNPACK": 2, "_PACK": 1}  # one forward and one backward series for the three layers
+        assert out[1][1] == {"_UNPACK": 6, "_PACK": 3}
+        assert torch.equal(out[0][0], out[1][0])
+        for name, grad in out[0][2].items():
+            assert torch.equal(grad, out[1][2][name]), name
