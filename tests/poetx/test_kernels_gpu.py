@@ -197,7 +197,8 @@ def test_batched_series_equals_each_layers_own_series():
         active_path_counter.clear()
         y = m(x)
         y.float().square().sum().backward()
-        out.append((y, active_path_counter["poetx:batched_series"], {n: p.grad for n, p in m.named_parameters() if p.requires_grad}))
+        grads = {n: p.grad for n, p in m.named_parameters() if p.requires_grad}
+        out.append((y, active_path_counter["poetx:batched_series"], grads))
     assert out[0][1] == 3 and out[1][1] == 0
     assert torch.equal(out[0][0], out[1][0])
     for name, grad in out[0][2].items():
