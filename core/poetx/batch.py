@@ -106,22 +106,20 @@ class Batch:
             if layer is None or layer.mode != "fast":
                 continue
             q_in, q_out = layer.q_in, layer.q_out
-            # (FSDP2's sharded parameters are DTensors, not Parameter instances: the layer runs its own series there)
-            if (not (q_in.requires_grad and q_out.requires_grad) or q_in.dtype != q_out.dtype
-                    or type(q_in) is not nn.Parameter or type(q_out) is not nn.Parameter):
+            if not (q_in.requires_grad and q_out.requires_grad and layer._one_series()):
                 continue
             groups.setdefault((q_in.device, q_in.dtype, layer.block_size, layer.terms), []).append((i, q_in, q_out))
-        if sum(len(g) for g in groups.values() if len(g) > 1) == 0:
-            return None
         current: list = [None] * len(self.layers)
+        batched = False
         for (_, _, block_size, terms), members in groups.items():
             if len(members) < 2:
                 continue  # one layer gains nothing: it runs its own series
+            batched = True
             for chunk in _chunks(members, block_size):
                 blocks = _Series.apply(block_size, terms, *[q for _, q_in, q_out in chunk for q in (q_in, q_out)])
                 for (i, q_in, q_out), g in zip(chunk, blocks):
                     current[i] = (g, q_in._version, q_out._version)
-        return current
+        return current if batched else None
 
 
 def _chunks(members: list, block_size: int) -> list:

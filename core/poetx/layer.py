@@ -202,12 +202,18 @@ class PoetXLinear(nn.Module):
         perm_out = torch.randperm(self.out_features, generator=gen)
         return perm_in.to(self.perm_in.device), perm_out.to(self.perm_out.device)
 
+    def _one_series(self) -> bool:
+        """Both sides' ``Q`` go through one series (:func:`~fastdora.poetx.ops.poetx_layer`, the batched series): one
+        dtype, plain tensors (FSDP2's sharded DTensors take :meth:`blocks`, one series per side)."""
+        q_in, q_out = self.q_in, self.q_out
+        return q_in.dtype == q_out.dtype and not (_is_dtensor(q_in) or _is_dtensor(q_out))
+
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The orthogonal blocks ``(G(Q_in), G(Q_out))``, differentiable with respect to ``q_in`` and ``q_out``: one
         series over both sides' blocks (half the kernel launches of two; a GPU layer's step is bound by its host time
         at 2048 tokens)."""
         q_in, q_out = self.q_in, self.q_out
-        if q_in.dtype != q_out.dtype or _is_dtensor(q_in) or _is_dtensor(q_out):
+        if not self._one_series():
             return (cayley_neumann(q_in, self.block_size, self.terms),
                     cayley_neumann(q_out, self.block_size, self.terms))
         both = cayley_neumann(torch.cat([q_in, q_out]), self.block_size, self.terms)
@@ -241,7 +247,7 @@ class PoetXLinear(nn.Module):
                             f"{self.weight_dtype if scales is not None else weight.dtype}, "
                             f"{None if bias is None else bias.dtype}")
         q_in, q_out = self.q_in, self.q_out
-        if q_in.dtype != q_out.dtype or _is_dtensor(q_in) or _is_dtensor(q_out):
+        if not self._one_series():
             g_in, g_out = self.blocks()
             return poetx_linear(x, weight, bias, g_in, g_out, self.perm_in, self.perm_out, self.mode,
                                 weight_scales=scales, chunk_rows=rows)
