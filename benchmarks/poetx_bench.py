@@ -34,6 +34,7 @@ from torch import nn
 from fastdora.poetx import PoetXLinear
 from fastdora.poetx import kernels as poetx_kernels
 from fastdora.poetx import ops as poetx_ops
+from fastdora.poetx import cayley
 from fastdora.poetx.cayley import cayley_neumann, skew_size
 
 from _poetx_plain import PlainPoetX  # this folder is on sys.path when run as a script
@@ -328,7 +329,163 @@ def run_host(device: str, tiny: bool, top: int = 30) -> list:
           "through Triton's JIT); functions by own time per step (ms own, ms cumulative, calls):", flush=True)
     for name, own, cum, calls in rows:
         print(f"   {own:8.3f} {cum:8.3f} {calls:6.1f}  {name}", flush=True)
-    return [dict(host_ms=host_ms, host_ms_jit_launch=host_ms_jit, functions=[list(r) for r in rows])]
+    per_call = _host_per_call(device, tiny, layer, d, b)
+    return [dict(host_ms=host_ms, host_ms_jit_launch=host_ms_jit, functions=[list(r) for r in rows],
+                 per_call_us=per_call)]
+
+
+def _host_per_call(device: str, tiny: bool, layer, d: int, b: int) -> dict:
+    """Host microseconds per call of each operation of the layer's step at 64 tokens (the GPU keeps up: what is
+    measured is the time to issue the call), and of an ``nn.Linear`` forward + backward for scale."""
+    n = 64
+    t = torch.randn(n, d, device=device, dtype=torch.bfloat16)
+    t.requires_grad_()
+    g, _ = layer.blocks()
+    g = g.detach()
+    perm = layer.perm_in
+    w = layer.weight
+    linear = nn.Linear(d, d, bias=False, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(n, d, device=device, dtype=torch.bfloat16)
+    kern = poetx_kernels.applies(t, g)
+    ops = {
+        "torch.empty": lambda: torch.empty((n, d), device=device, dtype=torch.bfloat16),
+        "F.linear (GEMM)": lambda: torch.nn.functional.linear(t, w),
+        "nn.Linear fwd+bwd": lambda: linear(t).backward(dy),
+        "gather (permutation pass)": lambda: poetx_ops._gather(t, perm, kern),
+        "rotate (block product)": lambda: poetx_ops._block_mm(t, g, False, None, None, kern),
+        "block_outer": lambda: poetx_ops._block_outer(t, t, g, None, kern),
+        "layer fwd+bwd": lambda: layer(t).backward(dy),
+    }
+    reps = 20 if tiny else 300
+    out = {}
+    for name, fn in ops.items():
+        for _ in range(5):
+            fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        us = (time.perf_counter() - t0) / reps * 1e6
+        if device == "cuda":
+            torch.cuda.synchronize()
+        out[name] = us
+        print(f"   host per call {us:8.1f} us  {name}", flush=True)
+    return out
+
+
+#: tile configurations of the series section (``CAYLEY_CONFIG`` values; "stages": Triton's software pipelining)
+SERIES_SWEEP = [dict(block_t=64, block_k=32, warps=4), dict(block_t=64, block_k=32, warps=4, stages=2),
+                dict(block_t=128, block_k=32, warps=8, stages=2), dict(block_t=128, block_k=16, warps=8, stages=3),
+                dict(block_t=128, block_k=32, warps=4, stages=2), dict(block_t=64, block_k=64, warps=4, stages=2),
+                dict(block_t=64, block_k=16, warps=4, stages=4)]
+
+
+def run_series(device: str, tiny: bool) -> list:
+    """The Cayley–Neumann series alone (``k = 3``, b=256), forward and backward timed apart, at a gate projection's 72
+    blocks and at 1024 blocks (one chunk of the batched series, :mod:`fastdora.poetx.batch`): the kernels under each
+    tile configuration of ``SERIES_SWEEP`` and product precision, and the same products as cuBLAS batched matmuls
+    (``torch.baddbmm``, TF32 and float32) with their elementwise passes: what a library GEMM takes for this work."""
+    timer = _timer(device, reps=3 if tiny else 10)
+    b = 16 if tiny else 256
+    rows = []
+    for n in ((4,) if tiny else (72, 1024)):
+        packed = torch.randn(n, skew_size(b), device=device) * (0.3 / b ** 0.5)
+        grad_g = torch.randn(n, b, b, device=device)
+        flop_fwd, flop_bwd = 2 * 2 * n * b ** 3, 6 * 2 * n * b ** 3  # two products forward, six backward
+
+        def record(variant, fwd, bwd):
+            ms_f, ms_b = timer(fwd), timer(bwd)
+            rows.append(dict(blocks=n, block=b, variant=variant, fwd_ms=ms_f, bwd_ms=ms_b,
+                             fwd_tflops=flop_fwd / ms_f / 1e9, bwd_tflops=flop_bwd / ms_b / 1e9))
+            print(f"series  {n:5d} blocks b={b}  {variant:<58} fwd {ms_f:8.3f} ms ({flop_fwd / ms_f / 1e9:6.1f} "
+                  f"TFLOP/s)  bwd {ms_b:8.3f} ms ({flop_bwd / ms_b / 1e9:6.1f} TFLOP/s)", flush=True)
+
+        if poetx_kernels.applies(packed):
+            for prec in ("tf32x3", "tf32"):
+                for cfg in SERIES_SWEEP:
+                    saved = poetx_kernels.CAYLEY_CONFIG, poetx_kernels.CAYLEY_PRECISION
+                    poetx_kernels.CAYLEY_CONFIG, poetx_kernels.CAYLEY_PRECISION = cfg, prec
+                    try:
+                        record(f"kernels {prec} {cfg}",
+                               lambda: poetx_kernels.cayley_forward(packed, b, 3),
+                               lambda: poetx_kernels.cayley_backward(packed, grad_g, b, 3))
+                    finally:
+                        poetx_kernels.CAYLEY_CONFIG, poetx_kernels.CAYLEY_PRECISION = saved
+        q = cayley.skew_from_packed(packed, b)
+        eye = torch.eye(b, device=device)
+        for name, tf32 in (("cuBLAS baddbmm, TF32", True), ("cuBLAS baddbmm, float32", False)):
+            def fwd():  # G = I + 2Q + 2S + S·(S + 2Q), S = Q·Q
+                s = torch.bmm(q, q)
+                return torch.baddbmm(eye + 2 * (q + s), s, s + 2 * q)
+
+            def bwd():  # the six products of the backward (fastdora.poetx.kernels._cayley3_backward)
+                s = torch.bmm(q, q)
+                d_s = torch.baddbmm(torch.baddbmm(2 * grad_g, grad_g, s - 2 * q), s, grad_g)
+                return torch.baddbmm(torch.baddbmm(torch.baddbmm(2 * grad_g, s, grad_g, alpha=2), d_s, q, alpha=-1),
+                                     q, d_s, alpha=-1)
+
+            saved = torch.backends.cuda.matmul.allow_tf32
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            try:
+                record(name, fwd, bwd)
+            finally:
+                torch.backends.cuda.matmul.allow_tf32 = saved
+    return rows
+
+
+#: tile configurations of the rotate section (``ROTATE_CONFIG`` values; "stages": Triton's software pipelining)
+ROTATE_TILES = [dict(block_m=64, block_c=128, block_k=32, warps=4), dict(block_m=128, block_c=128, block_k=32, warps=8),
+                dict(block_m=128, block_c=128, block_k=32, warps=8, stages=3),
+                dict(block_m=128, block_c=128, block_k=64, warps=8, stages=3),
+                dict(block_m=128, block_c=256, block_k=32, warps=8, stages=3),
+                dict(block_m=64, block_c=256, block_k=32, warps=8, stages=3),
+                dict(block_m=128, block_c=128, block_k=64, warps=4, stages=4)]
+
+
+def run_rotate(device: str, tiny: bool) -> list:
+    """The block product of the layer (contiguous blocks, bf16 activations, float32 blocks of 256, 4096 features;
+    forward and transposed) at 2048 and 8192 tokens under each tile configuration of ``ROTATE_TILES``, beside one
+    bf16 GEMM of the same operands' shapes as a reference (``[N, 4096] × [4096, 256]``: the same FLOPs once)."""
+    timer = _timer(device, reps=3 if tiny else 10)
+    d, b = (64, 16) if tiny else (4096, 256)
+    g = cayley_neumann(torch.randn(d // b, skew_size(b), device=device) * (0.3 / b ** 0.5), b)
+    rows = []
+    for n in ((16,) if tiny else (1024, 2048, 8192)):
+        t = torch.randn(n, d, device=device, dtype=torch.bfloat16)
+        w = torch.randn(d, b, device=device, dtype=torch.bfloat16)
+        cases = [("gemm [N, d] x [d, b] (reference)", None, lambda: t @ w)]
+        if poetx_kernels.applies(t, g):
+            split = poetx_kernels.split_blocks(g, t.dtype)
+            for cfg in ROTATE_TILES:
+                for transpose in (False, True):
+                    cases.append((f"kernels {'T ' if transpose else ''}{cfg}", cfg,
+                                  lambda transpose=transpose: poetx_kernels.rotate(t, None, g, transpose=transpose)))
+                    cases.append((f"kernels {'T ' if transpose else ''}presplit {cfg}", cfg,
+                                  lambda transpose=transpose: poetx_kernels.rotate(t, None, g, transpose=transpose,
+                                                                                   split=split)))
+            cases.append(("split_blocks (once per block set)", None,
+                          lambda: poetx_kernels.split_blocks(g, t.dtype)))
+        for name, cfg, fn in cases:
+            saved = poetx_kernels.ROTATE_CONFIG
+            poetx_kernels.ROTATE_CONFIG = cfg or {}
+            try:
+                ms = timer(fn)
+            finally:
+                poetx_kernels.ROTATE_CONFIG = saved
+            rows.append(dict(tokens=n, d=d, block=b, variant=name, ms=ms))
+            print(f"rotate  tokens {n:5d} d {d} b={b}  {name:<90} {ms:8.3f} ms", flush=True)
+        if poetx_kernels.applies(t, g):  # the block gradient, tokens split over programs from split_rows tokens each
+            for split_rows in (512, 1024, 2048, 1 << 30):
+                saved = poetx_kernels.OUTER_CONFIG
+                poetx_kernels.OUTER_CONFIG = dict(split_rows=split_rows)
+                try:
+                    ms = timer(lambda: poetx_kernels.block_outer(t, t, None, g))
+                finally:
+                    poetx_kernels.OUTER_CONFIG = saved
+                rows.append(dict(tokens=n, d=d, block=b, variant=f"block_outer split_rows={split_rows}", ms=ms))
+                print(f"outer   tokens {n:5d} d {d} b={b}  split_rows={split_rows:<79} {ms:8.3f} ms", flush=True)
+    return rows
 
 
 def _fmt(r: dict) -> str:
@@ -343,7 +500,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (checks the script, measures nothing useful)")
     ap.add_argument("--sections", default="layer", help="comma separated: layer (the layer grid), ops, "
-                    "profile (GPU time per kernel), host (cProfile)")
+                    "profile (GPU time per kernel), host (cProfile), series (the Cayley–Neumann series alone), "
+                    "rotate (the block product's tiles)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma separated subset of {VARIANTS}")
     ap.add_argument("--sweep", action="store_true", help="ops: also the tile configurations of ROTATE_SWEEP / "
                     "OUTER_SWEEP / GATHER_SWEEP / CAYLEY_SWEEP")
@@ -360,13 +518,15 @@ def main() -> None:
         ap.error("no CUDA device (use --device cpu --tiny to check the script)")
     torch.manual_seed(0)
     sections = [x for x in a.sections.split(",") if x]
-    known = {"layer", "ops", "profile", "host"}
+    known = {"layer", "ops", "profile", "host", "series", "rotate"}
     if set(sections) - known:
         ap.error(f"unknown sections {sorted(set(sections) - known)}")
     rows = run(a.device, a.tiny, variants) if "layer" in sections else []
     op_rows = run_ops(a.device, a.tiny, a.sweep) if "ops" in sections else []
     profile_rows = run_profile(a.device, a.tiny) if "profile" in sections else []
     host_rows = run_host(a.device, a.tiny) if "host" in sections else []
+    series_rows = run_series(a.device, a.tiny) if "series" in sections else []
+    rotate_rows = run_rotate(a.device, a.tiny) if "rotate" in sections else []
     device = torch.cuda.get_device_name() if a.device == "cuda" else platform.processor()
     meta = dict(torch=torch.__version__, device=device, triton_kernels=poetx_kernels.AVAILABLE and a.device == "cuda",
                 tiny=a.tiny)
@@ -378,7 +538,8 @@ def main() -> None:
         meta["triton"] = None
     if a.out:
         with open(a.out, "w") as f:
-            json.dump(dict(meta=meta, rows=rows, ops=op_rows, profile=profile_rows, host=host_rows), f, indent=1)
+            json.dump(dict(meta=meta, rows=rows, ops=op_rows, profile=profile_rows, host=host_rows,
+                           series=series_rows, rotate=rotate_rows), f, indent=1)
         print(f"wrote {a.out}")
 
 

@@ -10,6 +10,7 @@ kernel time below it: the step is bound by the host.
 Usage:
   python benchmarks/poetx_step_profile.py --out poetx_step_profile.json  # AdamW, POET-X fast (batched and per-layer
                                                                          # series) / mem, 8 layers
+  python benchmarks/poetx_step_profile.py --configs poetx-fast --host-top 40  # and where the host time goes
   python benchmarks/poetx_step_profile.py --tiny --device cpu            # checks the script (CPU op times)
 """
 
@@ -31,7 +32,25 @@ CONFIGS = {"adamw": dict(method="adamw"), "poetx-fast": dict(method="poetx", mod
            "poetx-mem": dict(method="poetx", mode="mem")}
 
 
-def profile(name: str, shape: str, layers: int, block: int, seq: int, top: int, device: str) -> dict:
+def _host_functions(step, steps: int, top: int) -> list:
+    """``[name, own ms, cumulative ms, calls]`` per step of the Python functions with the largest own time over
+    ``steps`` steps under ``cProfile`` (which slows every Python call: the shares, not the totals, are the result)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    rows = sorted(([f"{fn[0].rsplit('/', 2)[-1]}:{fn[1]}({fn[2]})", st[2] / steps * 1e3, st[3] / steps * 1e3,
+                    st[1] / steps] for fn, st in stats.items()), key=lambda r: -r[1])
+    return rows[:top]
+
+
+def profile(name: str, shape: str, layers: int, block: int, seq: int, top: int, device: str,
+            host_top: int = 0) -> dict:
     import torch
 
     import poetx_model_bench as pmb
@@ -81,6 +100,12 @@ def profile(name: str, shape: str, layers: int, block: int, seq: int, top: int, 
           f"{'GPU kernels' if cuda else 'CPU operators'} {rec['gpu_kernel_ms']:.1f} ms", flush=True)
     for k, ms, n in rec["kernels"]:
         print(f"    {ms:8.2f} ms x{n:<5} {k}", flush=True)
+    if host_top:
+        rec["host_functions"] = _host_functions(step, 3, host_top)
+        sync()
+        print(f"  {name}: Python functions by own time per step under cProfile (ms own, ms cumulative, calls):")
+        for fn, own, cum, calls in rec["host_functions"]:
+            print(f"    {own:8.3f} {cum:8.3f} {calls:7.1f}  {fn}", flush=True)
     return rec
 
 
@@ -91,6 +116,8 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=256)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--host-top", type=int, default=0, help="also list this many Python functions by own host "
+                    "time per step (cProfile)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (checks the script, measures nothing useful)")
@@ -108,7 +135,7 @@ def main() -> None:
         ap.error(f"unknown configs {unknown}")
     rows = []
     for n in names:
-        rows.append(profile(n, shape, a.layers, a.block, a.seq, a.top, a.device))
+        rows.append(profile(n, shape, a.layers, a.block, a.seq, a.top, a.device, a.host_top))
         if a.device == "cuda":
             torch.cuda.empty_cache()  # the config's model and optimizer went with its frame
     if a.out:

@@ -192,16 +192,18 @@ if AVAILABLE:
 
     @triton.jit
     def _rotate_kernel(
-        t_ptr, perm_ptr, g_ptr, bias_ptr, out_ptr,
-        N, B, stride_t, stride_out, n_ctiles, blocks_per_prog,
-        TRANSPOSE: tl.constexpr, HAS_BIAS: tl.constexpr, PARTS: tl.constexpr, UPCAST: tl.constexpr,
+        t_ptr, perm_ptr, g_ptr, glo_ptr, bias_ptr, out_ptr,
+        N, stride_t, stride_out, n_ctiles, blocks_per_prog,
+        B: tl.constexpr, TRANSPOSE: tl.constexpr, HAS_BIAS: tl.constexpr, PARTS: tl.constexpr, UPCAST: tl.constexpr,
         SOFT_BF16: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
-        BLOCK_K: tl.constexpr,
+        BLOCK_K: tl.constexpr, PRESPLIT: tl.constexpr,
     ):
         # out[r, perm[k·B + c]] = Σ_j t[r, perm[k·B + j]] · G[k, c, j]   (TRANSPOSE: · G[k, j, c]) + bias[perm[k·B + c]]
         # program (group of blocks_per_prog blocks, column tile; row tile): the group index varies fastest, so the
         # programs gathering from one row tile run together (L2); a group of several blocks gathers its rows'
-        # features from the program's own L1. GATHER False: the blocks are contiguous (perm is the identity, not read)
+        # features from the program's own L1. GATHER False: the blocks are contiguous (perm is the identity, not read).
+        # EVEN (the tiles divide the block): no feature masks, only the row mask
+        EVEN: tl.constexpr = B % BLOCK_C == 0 and B % BLOCK_K == 0
         pid = tl.program_id(0)
         pid_m = tl.program_id(1)
         group = pid // n_ctiles
@@ -225,18 +227,34 @@ if AVAILABLE:
                     f_in = tl.load(perm_ptr + base + js, mask=jmask, other=0)
                 else:
                     f_in = base + js
-                a = tl.load(t_ptr + rows[:, None] * stride_t + f_in[None, :], mask=rmask[:, None] & jmask[None, :],
-                            other=0.0)
-                gmask = jmask[:, None] & cmask[None, :]
                 if TRANSPOSE:
-                    g = tl.load(g_blk + js[:, None] * B + cols[None, :], mask=gmask, other=0.0)
+                    g_offs = js[:, None] * B + cols[None, :]
                 else:
-                    g = tl.load(g_blk + cols[None, :] * B + js[:, None], mask=gmask, other=0.0)
-                acc = _mma(a, g, acc, PARTS, UPCAST)
+                    g_offs = cols[None, :] * B + js[:, None]
+                if EVEN:
+                    a = tl.load(t_ptr + rows[:, None] * stride_t + f_in[None, :], mask=rmask[:, None], other=0.0)
+                    g = tl.load(g_blk + g_offs)
+                else:
+                    a = tl.load(t_ptr + rows[:, None] * stride_t + f_in[None, :],
+                                mask=rmask[:, None] & jmask[None, :], other=0.0)
+                    g = tl.load(g_blk + g_offs, mask=jmask[:, None] & cmask[None, :], other=0.0)
+                if PRESPLIT:  # g is the high half-precision part of the blocks, glo the low part (g_blk's layout)
+                    acc = _dot(a, g, acc, UPCAST)
+                    if EVEN:
+                        lo = tl.load(glo_ptr + base * B + g_offs)
+                    else:
+                        lo = tl.load(glo_ptr + base * B + g_offs, mask=jmask[:, None] & cmask[None, :], other=0.0)
+                    acc = _dot(a, lo, acc, UPCAST)
+                else:
+                    acc = _mma(a, g, acc, PARTS, UPCAST)
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + f_out, mask=cmask, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptr + rows[:, None] * stride_out + f_out[None, :], _cast_to(acc, out_ptr, SOFT_BF16),
-                     mask=rmask[:, None] & cmask[None, :])
+            if EVEN:
+                tl.store(out_ptr + rows[:, None] * stride_out + f_out[None, :], _cast_to(acc, out_ptr, SOFT_BF16),
+                         mask=rmask[:, None])
+            else:
+                tl.store(out_ptr + rows[:, None] * stride_out + f_out[None, :], _cast_to(acc, out_ptr, SOFT_BF16),
+                         mask=rmask[:, None] & cmask[None, :])
 
     @triton.jit
     def _outer_kernel(
@@ -326,61 +344,71 @@ if AVAILABLE:
                  mask=(ri < B)[:, None] & (cj < B)[None, :])
 
     @triton.jit
+    def _cn_load(ptr, offs, mask, EVEN: tl.constexpr):
+        if EVEN:
+            return tl.load(ptr + offs)
+        return tl.load(ptr + offs, mask=mask, other=0.0)
+
+    @triton.jit
+    def _cn_tile(pid, B: tl.constexpr, BLOCK_T: tl.constexpr):
+        """(block offset, rows, columns) of program ``pid``: blocks of ``B×B`` in ``BLOCK_T`` tiles, the tiles of one
+        block in consecutive programs."""
+        n_tiles: tl.constexpr = (B + BLOCK_T - 1) // BLOCK_T
+        per_blk: tl.constexpr = n_tiles * n_tiles
+        blk = pid // per_blk
+        ri = ((pid % per_blk) // n_tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
+        cj = (pid % n_tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
+        return blk.to(tl.int64) * B * B, ri, cj
+
+    @triton.jit
     def _cn_step_kernel(
         a_ptr, b_ptr, q_ptr, v_ptr, out_ptr,
-        B, n_tiles, nv, stride_v, sign, beta, gamma,
-        ADD_Q: tl.constexpr, PREC: tl.constexpr, SOFT_BF16: tl.constexpr,
+        nv, stride_v, sign, beta, gamma,
+        B: tl.constexpr, ADD_Q: tl.constexpr, PREC: tl.constexpr, SOFT_BF16: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         # out[k] = sign·(A[k] @ B[k]) + beta·Q[k] + gamma·I + Σ_{v<nv} c_v·V[v, k],  c_v = 2 (v < nv-1), 1 (v = nv-1)
         # A, B, Q, V: dense fp32 [n, B, B] blocks
-        pid = tl.program_id(0)
-        per_blk = n_tiles * n_tiles
-        blk = pid // per_blk
-        ti = (pid % per_blk) // n_tiles
-        tj = pid % n_tiles
-        ri = ti * BLOCK_T + tl.arange(0, BLOCK_T)
-        cj = tj * BLOCK_T + tl.arange(0, BLOCK_T)
+        EVEN: tl.constexpr = B % BLOCK_T == 0 and B % BLOCK_K == 0
+        dense, ri, cj = _cn_tile(tl.program_id(0), B, BLOCK_T)
         imask = ri < B
         jmask = cj < B
-        dense = blk.to(tl.int64) * B * B
         acc = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
         for k0 in range(0, B, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             kmask = ks < B
-            a = tl.load(a_ptr + dense + ri[:, None] * B + ks[None, :], mask=imask[:, None] & kmask[None, :],
-                        other=0.0)
-            bt = tl.load(b_ptr + dense + ks[:, None] * B + cj[None, :], mask=kmask[:, None] & jmask[None, :],
-                         other=0.0)
+            a = _cn_load(a_ptr, dense + ri[:, None] * B + ks[None, :], imask[:, None] & kmask[None, :], EVEN)
+            bt = _cn_load(b_ptr, dense + ks[:, None] * B + cj[None, :], kmask[:, None] & jmask[None, :], EVEN)
             acc = tl.dot(a, bt, acc, input_precision=PREC)
         acc = acc * sign
         mask = imask[:, None] & jmask[None, :]
         offs = dense + ri[:, None] * B + cj[None, :]
         if ADD_Q:
-            acc += beta * tl.load(q_ptr + offs, mask=mask, other=0.0)
+            acc += beta * _cn_load(q_ptr, offs, mask, EVEN)
         acc += tl.where(ri[:, None] == cj[None, :], gamma, 0.0)
         for v in range(0, nv):
             coef = tl.where(v == nv - 1, 1.0, 2.0)
-            acc += coef * tl.load(v_ptr + v * stride_v + offs, mask=mask, other=0.0)
-        tl.store(out_ptr + offs, _cast_to(acc, out_ptr, SOFT_BF16), mask=mask)
+            acc += coef * _cn_load(v_ptr + v * stride_v, offs, mask, EVEN)
+        if EVEN:
+            tl.store(out_ptr + offs, _cast_to(acc, out_ptr, SOFT_BF16))
+        else:
+            tl.store(out_ptr + offs, _cast_to(acc, out_ptr, SOFT_BF16), mask=mask)
 
     @triton.jit
     def _cn_sum_kernel(
         a1_ptr, b1_ptr, x1_ptr, a2_ptr, b2_ptr, a3_ptr, b3_ptr, z1_ptr, z2_ptr, out_ptr,
-        B, n_tiles, s1, c1, s2, s3, cz1, cz2, gamma,
-        NPROD: tl.constexpr, HAS_X1: tl.constexpr, HAS_Z2: tl.constexpr, PREC: tl.constexpr,
+        s1, c1, s2, s3, cz1, cz2, gamma,
+        B: tl.constexpr, NPROD: tl.constexpr, HAS_X1: tl.constexpr, HAS_Z2: tl.constexpr, PREC: tl.constexpr,
         SOFT_BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         # out[k] = s1·A1[k]·(B1[k] + c1·X1[k]) + s2·A2[k]·B2[k] + s3·A3[k]·B3[k] + cz1·Z1[k] + cz2·Z2[k] + gamma·I
-        # (the first NPROD products; X1 and Z2 only when flagged); all dense fp32 [n, B, B] blocks
-        pid = tl.program_id(0)
-        per_blk = n_tiles * n_tiles
-        blk = pid // per_blk
-        ri = ((pid % per_blk) // n_tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
-        cj = (pid % n_tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
+        # (the first NPROD products; X1 and Z2 only when flagged); all dense fp32 [n, B, B] blocks. One accumulator
+        # per product: the products are independent and overlap on the tensor cores (one shared accumulator, each A
+        # tile scaled by its s, measured 25% slower: 19.9 against 15.9 ms per 8-layer step)
+        EVEN: tl.constexpr = B % BLOCK_T == 0 and B % BLOCK_K == 0
+        dense, ri, cj = _cn_tile(tl.program_id(0), B, BLOCK_T)
         imask = ri < B
         jmask = cj < B
-        dense = blk.to(tl.int64) * B * B
         acc1 = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
         acc2 = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
         acc3 = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
@@ -391,16 +419,16 @@ if AVAILABLE:
             a_mask = imask[:, None] & kmask[None, :]
             b_offs = dense + ks[:, None] * B + cj[None, :]
             b_mask = kmask[:, None] & jmask[None, :]
-            bt = tl.load(b1_ptr + b_offs, mask=b_mask, other=0.0)
+            bt = _cn_load(b1_ptr, b_offs, b_mask, EVEN)
             if HAS_X1:
-                bt += c1 * tl.load(x1_ptr + b_offs, mask=b_mask, other=0.0)
-            acc1 = tl.dot(tl.load(a1_ptr + a_offs, mask=a_mask, other=0.0), bt, acc1, input_precision=PREC)
+                bt += c1 * _cn_load(x1_ptr, b_offs, b_mask, EVEN)
+            acc1 = tl.dot(_cn_load(a1_ptr, a_offs, a_mask, EVEN), bt, acc1, input_precision=PREC)
             if NPROD >= 2:
-                acc2 = tl.dot(tl.load(a2_ptr + a_offs, mask=a_mask, other=0.0),
-                              tl.load(b2_ptr + b_offs, mask=b_mask, other=0.0), acc2, input_precision=PREC)
+                acc2 = tl.dot(_cn_load(a2_ptr, a_offs, a_mask, EVEN), _cn_load(b2_ptr, b_offs, b_mask, EVEN), acc2,
+                              input_precision=PREC)
             if NPROD >= 3:
-                acc3 = tl.dot(tl.load(a3_ptr + a_offs, mask=a_mask, other=0.0),
-                              tl.load(b3_ptr + b_offs, mask=b_mask, other=0.0), acc3, input_precision=PREC)
+                acc3 = tl.dot(_cn_load(a3_ptr, a_offs, a_mask, EVEN), _cn_load(b3_ptr, b_offs, b_mask, EVEN), acc3,
+                              input_precision=PREC)
         acc = s1 * acc1
         if NPROD >= 2:
             acc += s2 * acc2
@@ -408,11 +436,14 @@ if AVAILABLE:
             acc += s3 * acc3
         mask = imask[:, None] & jmask[None, :]
         offs = dense + ri[:, None] * B + cj[None, :]
-        acc += cz1 * tl.load(z1_ptr + offs, mask=mask, other=0.0)
+        acc += cz1 * _cn_load(z1_ptr, offs, mask, EVEN)
         if HAS_Z2:
-            acc += cz2 * tl.load(z2_ptr + offs, mask=mask, other=0.0)
+            acc += cz2 * _cn_load(z2_ptr, offs, mask, EVEN)
         acc += tl.where(ri[:, None] == cj[None, :], gamma, 0.0)
-        tl.store(out_ptr + offs, _cast_to(acc, out_ptr, SOFT_BF16), mask=mask)
+        if EVEN:
+            tl.store(out_ptr + offs, _cast_to(acc, out_ptr, SOFT_BF16))
+        else:
+            tl.store(out_ptr + offs, _cast_to(acc, out_ptr, SOFT_BF16), mask=mask)
 
     @triton.jit
     def _pack_kernel(d_ptr, rows_ptr, cols_ptr, out_ptr, out2_ptr, B, NPK, N1, SOFT_BF16: tl.constexpr,
@@ -458,9 +489,11 @@ def _parts(t_dtype: torch.dtype, g_dtype: torch.dtype) -> int:
     return 0  # float32 activations, or half blocks of the other half dtype: float32 products
 
 
-#: tile configurations (benchmark sweeps): ``{"block_m", "block_c", "block_k", "warps", "blocks_per_prog"}`` of
-#: ``rotate`` (``blocks_per_prog``: blocks one program handles in turn, "all" for every block) and
-#: ``{"block_n", "block_c", "warps"}`` of ``block_outer``, each capped by the block size; empty: the defaults
+#: tile configurations (benchmark sweeps): ``{"block_m", "block_c", "block_k", "warps", "blocks_per_prog", "stages"}``
+#: of ``rotate`` (``blocks_per_prog``: blocks one program handles in turn, "all" for every block; ``stages``:
+#: Triton's software pipelining) and ``{"block_n", "block_c", "warps", "split_rows"}`` of ``block_outer``
+#: (``split_rows``: the fewest tokens per program where the tokens are split over programs), each capped by the block
+#: size; empty: the defaults
 ROTATE_CONFIG: dict = {}
 OUTER_CONFIG: dict = {}
 #: ``{"block_r", "block_c", "warps"}`` of ``gather`` (block_c capped by the width)
@@ -490,9 +523,18 @@ def gather(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def _rotate_config(n_rows: int, b: int) -> tuple:
     cfg = ROTATE_CONFIG
     block_c = _p2(b, hi=cfg.get("block_c", 128))
-    block_m = _p2(min(n_rows, cfg.get("block_m", 64)), hi=cfg.get("block_m", 64))
+    block_m = _p2(min(n_rows, cfg.get("block_m", 128)), hi=cfg.get("block_m", 128))
     block_k = _p2(b, hi=cfg.get("block_k", 32))
-    return block_m, block_c, block_k, cfg.get("warps", 4), cfg.get("blocks_per_prog", 1)
+    return block_m, block_c, block_k, cfg.get("warps", 8), cfg.get("blocks_per_prog", 1), cfg.get("stages")
+
+
+def split_blocks(blocks: torch.Tensor, dtype: torch.dtype) -> tuple:
+    """``(hi, lo)``: float32 ``blocks`` as two parts of the half ``dtype`` (``hi`` = the blocks rounded, ``lo`` = the
+    remainder rounded), what :func:`rotate` multiplies by in its products with activations of that dtype
+    (``SPLIT_PARTS = 2``): given to :func:`rotate` as ``split``, the products read them instead of splitting the
+    float32 blocks in every program."""
+    hi = blocks.to(dtype)
+    return hi, (blocks - hi.to(blocks.dtype)).to(dtype)
 
 
 def rotate(
@@ -503,9 +545,12 @@ def rotate(
     transpose: bool = False,
     bias: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
+    split: Optional[tuple] = None,
 ) -> torch.Tensor:
     """:func:`fastdora.poetx.ops.rotate` (same arguments and result) in one launch, the permutation fused into the
-    loads and stores; ``perm=None``: the identity (blocks of contiguous features, unit-stride loads and stores)."""
+    loads and stores; ``perm=None``: the identity (blocks of contiguous features, unit-stride loads and stores).
+    ``split``: :func:`split_blocks` of float32 ``blocks`` in ``t``'s half dtype (the same products, read instead of
+    formed in each program)."""
     n_blocks, b = blocks.shape[0], blocks.shape[-1]
     t2 = _rows(t)
     n_rows, d = t2.shape
@@ -516,15 +561,17 @@ def rotate(
     gather = perm is not None
     perm = perm.contiguous() if gather else g
     bias_t = bias.contiguous() if bias is not None else g
-    block_m, block_c, block_k, warps, per_prog = _rotate_config(n_rows, b)
+    block_m, block_c, block_k, warps, per_prog, stages = _rotate_config(n_rows, b)
     per_prog = n_blocks if per_prog == "all" or n_blocks % per_prog else per_prog
     n_ctiles = _cdiv(b, block_c)
     grid = (n_blocks // per_prog * n_ctiles, _cdiv(n_rows, block_m))
     with _device_ctx(t):
-        _ROTATE(grid, (t2, perm, g, bias_t, out), (n_rows, b, t2.stride(0), out.stride(0), n_ctiles, per_prog), (),
-                # TRANSPOSE, HAS_BIAS, PARTS, UPCAST, SOFT_BF16, GATHER, BLOCK_M, BLOCK_C, BLOCK_K
-                (bool(transpose), bias is not None, _parts(t.dtype, g.dtype), not t.is_cuda, not t.is_cuda, gather,
-                 block_m, block_c, block_k), warps)
+        presplit = split is not None and _parts(t.dtype, g.dtype) == 2
+        hi, lo = (split[0].contiguous(), split[1].contiguous()) if presplit else (g, g)
+        _ROTATE(grid, (t2, perm, hi, lo, bias_t, out), (n_rows, t2.stride(0), out.stride(0), n_ctiles, per_prog), (),
+                # B, TRANSPOSE, HAS_BIAS, PARTS, UPCAST, SOFT_BF16, GATHER, BLOCK_M, BLOCK_C, BLOCK_K, PRESPLIT
+                (b, bool(transpose), bias is not None, _parts(t.dtype, g.dtype), not t.is_cuda, not t.is_cuda, gather,
+                 block_m, block_c, block_k, presplit), warps, stages)
     return out if t.dim() == 2 else out.reshape(*t.shape[:-1], d)
 
 
@@ -558,7 +605,7 @@ def block_outer(a: torch.Tensor, b: torch.Tensor, perm: Optional[torch.Tensor], 
     tiles = n_blocks * n_ctiles * n_ctiles
     # split the tokens over programs while the tiles alone leave the GPU's multiprocessors idle
     target = 2 * _sm_count(a.device)
-    n_split = max(1, min(_cdiv(target, tiles), n_rows // 512))
+    n_split = max(1, min(_cdiv(target, tiles), n_rows // cfg.get("split_rows", 1024)))
     rows_per_prog = _cdiv(_cdiv(n_rows, n_split), block_n) * block_n
     n_split = _cdiv(n_rows, rows_per_prog)
     half = a2.dtype == b2.dtype and a2.dtype in _HALF
@@ -583,20 +630,25 @@ def block_outer(a: torch.Tensor, b: torch.Tensor, perm: Optional[torch.Tensor], 
 
 
 def _cn_tiles(size: int) -> tuple:
+    """``(BLOCK_T, BLOCK_K, tiles per side, warps, stages)`` of the Cayley–Neumann products for blocks of ``size``."""
     cfg = CAYLEY_CONFIG
     block_t = _p2(size, hi=cfg.get("block_t", 64))
-    return block_t, _p2(size, hi=cfg.get("block_k", 32)), _cdiv(size, block_t)
+    return (block_t, _p2(size, hi=cfg.get("block_k", 32)), _cdiv(size, block_t), cfg.get("warps", 4),
+            cfg.get("stages"))
+
+
+def _cn_precision(t: torch.Tensor) -> str:
+    return CAYLEY_PRECISION if t.is_cuda else "ieee"
 
 
 def _cn_step(a, b, q, v, out, size, *, sign=1.0, beta=0.0, gamma=0.0, nv=0):
     """One launch of :func:`_cn_step_kernel` over all blocks (see its comment); a, b, q, v dense fp32."""
     n_blocks = q.shape[0]
-    block_t, block_k, n_tiles = _cn_tiles(size)
+    block_t, block_k, n_tiles, warps, stages = _cn_tiles(size)
     _CN_STEP((n_blocks * n_tiles * n_tiles,), (a, b, q, out if v is None else v, out),
-             (size, n_tiles, nv, 0 if v is None or nv == 0 else v[0].numel()), (float(sign), float(beta), float(gamma)),
-             # ADD_Q, PREC, SOFT_BF16, BLOCK_T, BLOCK_K
-             (beta != 0.0, CAYLEY_PRECISION if q.is_cuda else "ieee", not q.is_cuda, block_t, block_k),
-             CAYLEY_CONFIG.get("warps", 4))
+             (nv, 0 if v is None or nv == 0 else v[0].numel()), (float(sign), float(beta), float(gamma)),
+             # B, ADD_Q, PREC, SOFT_BF16, BLOCK_T, BLOCK_K
+             (size, beta != 0.0, _cn_precision(q), not q.is_cuda, block_t, block_k), warps, stages)
     return out
 
 
@@ -604,17 +656,16 @@ def _cn_sum(out, size, prods, *, z1, cz1=1.0, z2=None, cz2=0.0, gamma=0.0):
     """One launch of :func:`_cn_sum_kernel`: ``prods`` is a list of up to three ``(scale, A, B)`` (the first may be
     ``(scale, A, B, X, c)`` for ``A·(B + c·X)``); every tensor dense fp32 ``[n, b, b]``."""
     n_blocks = out.shape[0]
-    block_t, block_k, n_tiles = _cn_tiles(size)
+    block_t, block_k, n_tiles, warps, stages = _cn_tiles(size)
     first = prods[0]
     x1, c1 = (first[3], first[4]) if len(first) == 5 else (first[2], 0.0)
     pad = [(0.0, first[1], first[2])] * (3 - len(prods))
     (s1, a1, b1), (s2, a2, b2), (s3, a3, b3) = [p[:3] for p in prods] + pad
-    _CN_SUM((n_blocks * n_tiles * n_tiles,), (a1, b1, x1, a2, b2, a3, b3, z1, z1 if z2 is None else z2, out),
-            (size, n_tiles),
+    _CN_SUM((n_blocks * n_tiles * n_tiles,), (a1, b1, x1, a2, b2, a3, b3, z1, z1 if z2 is None else z2, out), (),
             (float(s1), float(c1), float(s2), float(s3), float(cz1), float(cz2), float(gamma)),
-            # NPROD, HAS_X1, HAS_Z2, PREC, SOFT_BF16, BLOCK_T, BLOCK_K
-            (len(prods), len(first) == 5, z2 is not None, CAYLEY_PRECISION if out.is_cuda else "ieee",
-             not out.is_cuda, block_t, block_k), CAYLEY_CONFIG.get("warps", 4))
+            # B, NPROD, HAS_X1, HAS_Z2, PREC, SOFT_BF16, BLOCK_T, BLOCK_K
+            (size, len(prods), len(first) == 5, z2 is not None, _cn_precision(out), not out.is_cuda, block_t,
+             block_k), warps, stages)
     return out
 
 
@@ -623,7 +674,7 @@ def _dense_skew(packed: torch.Tensor, size: int, second: Optional[torch.Tensor] 
     launch."""
     n1 = packed.shape[0]
     n_blocks = n1 + (0 if second is None else second.shape[0])
-    block_t, _, n_tiles = _cn_tiles(size)
+    block_t, _, n_tiles, _, _ = _cn_tiles(size)
     q = torch.empty((n_blocks, size, size), dtype=torch.float32, device=packed.device)
     _UNPACK((n_blocks * n_tiles * n_tiles,), (packed, packed if second is None else second, q),
             (size, packed.shape[1], n_tiles, n1), (), (block_t,), 4)
