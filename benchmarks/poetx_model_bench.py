@@ -31,8 +31,8 @@ and what the paper compares):
   After the timed steps two ``poetx.merge(model)`` are timed: the first of the process (it also compiles the
   merge's kernels: ``merge_first_s`` in the JSON) and the next (``merge (s)`` in the table; a merge every 200 steps in
   the paper's recipe: the table's amortised tokens/s adds 1/200 of it to each step).
-- ``-layerwise``: every layer computes its own Cayley series (``fastdora.poetx.batch`` uninstalled), beside the
-  default (one series per forward for all layers), at full depth in both plans.
+- ``-batched``: the fast-mode layers' blocks from a few batched Cayley series per forward (``fastdora.poetx.batch``,
+  ``batch.ENABLED = True``), beside the default (every layer its own series), at full depth in both plans.
 - extra rows (the plan's tail): ``-qbf16``: Q and its moments in bf16 (as the paper's public implementation keeps
   them); ``adamw-foreach``: torch's default multi-tensor AdamW (a temporary the size of the moments during the step);
   ``adamw-fp32-master``: fp32 weights with fp32 moments under bf16 autocast (16 bytes per parameter plus the
@@ -96,7 +96,7 @@ def config_name(c: dict) -> str:
         return f"lora-r{c['rank']}"
     kind = "int8" if c.get("weight_format") == "int8" else c["mode"]
     return (f"poetx-{kind}-b{c['block']}" + ("-qbf16" if c.get("q_dtype") == "bf16" else "")
-            + ("-layerwise" if c.get("series") == "layerwise" else ""))
+            + ("-batched" if c.get("series") == "batched" else ""))
 
 
 def plan_configs(plan: str, shape: str, layers: int) -> list:
@@ -114,7 +114,7 @@ def plan_configs(plan: str, shape: str, layers: int) -> list:
         return [poetx(b, k, n) for k in ("fast", "mem", "int8")]
 
     cfgs = [dict(method="adamw", layers=full)] + block(b0, full) + [dict(method="lora", rank=rank, layers=full)]
-    cfgs += [poetx(b0, "fast", full, series="layerwise")]  # the batched series' gain, side by side
+    cfgs += [poetx(b0, "fast", full, series="batched")]  # the batched series, side by side
     if plan == "h200":
         cfgs += block(b1, full)
         cfgs += [dict(method="adamw", layers=layers)] + block(b0, layers) + [
@@ -199,10 +199,11 @@ def setup_method(model, c: dict, a, dev):
     layers = [m for m in model.modules() if isinstance(m, PoetXLinear)]
     if len(layers) != 7 * c["layers"]:
         raise RuntimeError(f"POET-X converted {len(layers)} layers, expected {7 * c['layers']}: {rep}")
-    if c.get("series") == "layerwise":  # every layer its own series (as before fastdora.poetx.batch)
-        from fastdora.poetx import batch
+    from fastdora.poetx import batch
 
-        batch.uninstall(model)
+    # "-batched": the fast-mode layers' blocks from a few batched series per forward (fastdora.poetx.batch, off by
+    # default: measured slower than one series per layer); every other config: each layer its own series
+    batch.ENABLED = c.get("series") == "batched"
     if c.get("q_dtype") == "bf16":
         for m in layers:
             m.q_in = torch.nn.Parameter(m.q_in.detach().to(torch.bfloat16))

@@ -28,7 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 CONFIGS = {"adamw": dict(method="adamw"), "poetx-fast": dict(method="poetx", mode="fast"),
-           "poetx-fast-layerwise": dict(method="poetx", mode="fast", series="layerwise"),
+           "poetx-fast-batched": dict(method="poetx", mode="fast", series="batched"),
            "poetx-mem": dict(method="poetx", mode="mem")}
 
 

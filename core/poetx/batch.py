@@ -23,7 +23,10 @@ own, after an in-place change of ``Q``, ...) it computes its own series as befor
 outside ``torch.compile``; layers are batched by device, dtype, block size and number of terms. The blocks, outputs
 and gradients are those of the per-layer series: every block's series is computed independently of the others.
 
-``ENABLED = False`` turns batching off (every layer computes its own series).
+Off by default (``ENABLED = False``: every layer computes its own series): at full depth on Llama-8B shapes (batch 1,
+sequence 1024) the batched series made the step slower, not faster, though it takes the series' launches off every
+layer (H200: 353.1 against 344.1 ms; H100: 399.2 against 329.3 ms; ``benchmarks/results/
+poetx_batched_series_h200_2026-12-05``). ``ENABLED = True`` turns it on.
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ from . import cayley as _cayley
 
 __all__ = ["ENABLED", "install", "uninstall", "blocks_for"]
 
-#: batch the series of a model's fast-mode layers (see the module docstring)
-ENABLED = True
+#: batch the series of a model's fast-mode layers (see the module docstring; off: measured slower)
+ENABLED = False
 #: dense float32 blocks per series node (256 MiB: 1024 blocks of 256, about three Llama-8B decoder layers)
 CHUNK_BYTES = 256 << 20
 

@@ -133,11 +133,11 @@ def test_model_plan_priority_order(bench):
     assert len(names) == len(set(names))
     # 1. the targets at full depth come first, then fast mode with per-layer series beside them
     assert names[:6] == [("adamw", 32), ("poetx-fast-b256", 32), ("poetx-mem-b256", 32), ("poetx-int8-b256", 32),
-                         ("lora-r160", 32), ("poetx-fast-b256-layerwise", 32)]
-    assert cfgs[5]["series"] == "layerwise" and "series" not in cfgs[1]
+                         ("lora-r160", 32), ("poetx-fast-b256-batched", 32)]
+    assert cfgs[5]["series"] == "batched" and "series" not in cfgs[1]
     # 2. b=512 at full depth, 3. the same eight configs at 8 layers, 4. the extra rows at full depth
     assert names[6:9] == [(f"poetx-{k}-b512", 32) for k in ("fast", "mem", "int8")]
-    eight = sorted(n for n, _ in names[:9] if not n.endswith("-layerwise"))
+    eight = sorted(n for n, _ in names[:9] if not n.endswith("-batched"))
     assert sorted(n for n, L in names[9:17]) == eight and {L for _, L in names[9:17]} == {8}
     assert names[17:] == [("poetx-fast-b256-qbf16", 32), ("poetx-mem-b256-qbf16", 32), ("adamw-foreach", 32),
                           ("adamw-fp32-master", 32)]
@@ -335,7 +335,7 @@ def test_step_profile_tiny_end_to_end(tmp_path):
                         "--out", str(out)], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads(out.read_text())
-    assert doc["tiny"] and [row["config"] for row in doc["rows"]] == ["adamw", "poetx-fast", "poetx-fast-layerwise",
+    assert doc["tiny"] and [row["config"] for row in doc["rows"]] == ["adamw", "poetx-fast", "poetx-fast-batched",
                                                                       "poetx-mem"]
     for row in doc["rows"]:
         assert row["wall_ms"] > 0 and row["host_ms"] > 0 and row["gpu_kernel_ms"] > 0 and row["kernels"]

@@ -17,6 +17,12 @@ from fastdora.poetx import PoetXLinear, batch
 KEY = "poetx:batched_series"
 
 
+@pytest.fixture(autouse=True)
+def _batching_on(monkeypatch):
+    """The batched series is off by default (measured slower): these tests turn it on."""
+    monkeypatch.setattr(batch, "ENABLED", True)
+
+
 class Block(nn.Module):
     def __init__(self, d=32, h=48):
         super().__init__()

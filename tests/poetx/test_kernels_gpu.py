@@ -171,7 +171,7 @@ def test_layer(d_in, d_out, b, n, mode, entry):
         assert ek <= 2 * ee + 8e-3, f"{name}: kernel rel err {ek:.3g} vs PyTorch {ee:.3g}"
 
 
-def test_batched_series_equals_each_layers_own_series():
+def test_batched_series_equals_each_layers_own_series(monkeypatch):
     """A model's fast-mode layers with one series per forward (``fastdora.poetx.batch``) against each layer's own
     series, through the kernels (bf16 activations, float32 Q): the series of every block is computed independently of
     the others, so outputs and gradients are bitwise equal."""
@@ -181,6 +181,8 @@ def test_batched_series_equals_each_layers_own_series():
 
     from fastdora import active_path_counter, poetx
     from fastdora.poetx import batch
+
+    monkeypatch.setattr(batch, "ENABLED", True)  # off by default
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4096, 1024), nn.GELU(), nn.Linear(1024, 4096), nn.Linear(4096, 512)).to(DEV, BF16)

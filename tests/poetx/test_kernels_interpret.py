@@ -423,7 +423,7 @@ else:
             for a, c in zip(_run_layer(case, "fast", entry=entry), _run_layer(case, "mem", entry=entry)):
                 assert torch.equal(a, c)
 
-    def test_batched_series_through_the_kernels():
+    def test_batched_series_through_the_kernels(monkeypatch):
         """A converted model's batched series (fastdora.poetx.batch) through the kernels, bfloat16 activations with
         float32 Q: outputs and gradients bitwise those of each layer's own series; the series kernels run once per
         chunk instead of once per layer."""
@@ -433,6 +433,8 @@ else:
 
         from fastdora import poetx
         from fastdora.poetx import batch
+
+        monkeypatch.setattr(batch, "ENABLED", True)  # off by default
 
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 16), nn.Linear(16, 8)).to(BF16)
