@@ -34,6 +34,7 @@ from torch import nn
 from fastdora.poetx import PoetXLinear
 from fastdora.poetx import kernels as poetx_kernels
 from fastdora.poetx import ops as poetx_ops
+from fastdora.poetx import replay as poetx_replay
 from fastdora.poetx import cayley
 from fastdora.poetx.cayley import cayley_neumann, skew_size
 
@@ -302,6 +303,16 @@ def run_host(device: str, tiny: bool, top: int = 30) -> list:
     host_ms = (time.perf_counter() - t0) / 20 * 1e3  # the GPU runs behind: this is the host's time per step
     if device == "cuda":
         torch.cuda.synchronize()
+
+    def launched():
+        t0 = time.perf_counter()
+        for _ in range(20):
+            layer(x).backward(dy)
+        return (time.perf_counter() - t0) / 20 * 1e3
+
+    host_ms_launchers = _without_replay(launched)  # the same steps, no launch replayed
+    if device == "cuda":
+        torch.cuda.synchronize()
     # the same steps with every kernel launched through Triton's JIT dispatch (no cached launch)
     launchers = [v for v in vars(poetx_kernels).values() if type(v).__name__ == "Launcher"]
     fast = [(lc, lc.fast) for lc in launchers]
@@ -325,13 +336,24 @@ def run_host(device: str, tiny: bool, top: int = 30) -> list:
     stats = pstats.Stats(prof)
     rows = sorted(((f"{fn[0].rsplit('/', 2)[-1]}:{fn[1]}({fn[2]})", st[2] / 20 * 1e3, st[3] / 20 * 1e3, st[1] / 20)
                    for fn, st in stats.stats.items()), key=lambda r: -r[1])[:top]
-    print(f"--- host time per fwd+bwd (no sync): {host_ms:.3f} ms ({host_ms_jit:.3f} ms with every kernel launched "
-          "through Triton's JIT); functions by own time per step (ms own, ms cumulative, calls):", flush=True)
+    print(f"--- host time per fwd+bwd (no sync): {host_ms:.3f} ms ({host_ms_launchers:.3f} ms with no launch "
+          f"replayed, {host_ms_jit:.3f} ms with every kernel launched through Triton's JIT); functions by own time "
+          "per step (ms own, ms cumulative, calls):", flush=True)
     for name, own, cum, calls in rows:
         print(f"   {own:8.3f} {cum:8.3f} {calls:6.1f}  {name}", flush=True)
     per_call = _host_per_call(device, tiny, layer, d, b)
-    return [dict(host_ms=host_ms, host_ms_jit_launch=host_ms_jit, functions=[list(r) for r in rows],
+    return [dict(host_ms=host_ms, host_ms_launchers=host_ms_launchers, host_ms_jit_launch=host_ms_jit,
+                 functions=[list(r) for r in rows],
                  per_call_us=per_call)]
+
+
+def _without_replay(fn):
+    """``fn()`` with every POET-X kernel launch made through its launcher (``fastdora.poetx.replay`` off)."""
+    saved, poetx_replay.ENABLED = poetx_replay.ENABLED, False
+    try:
+        return fn()
+    finally:
+        poetx_replay.ENABLED = saved
 
 
 def _host_per_call(device: str, tiny: bool, layer, d: int, b: int) -> dict:
@@ -355,6 +377,7 @@ def _host_per_call(device: str, tiny: bool, layer, d: int, b: int) -> dict:
         "rotate (block product)": lambda: poetx_ops._block_mm(t, g, False, None, None, kern),
         "block_outer": lambda: poetx_ops._block_outer(t, t, g, None, kern),
         "layer fwd+bwd": lambda: layer(t).backward(dy),
+        "layer fwd+bwd, launches not replayed": lambda: _without_replay(lambda: layer(t).backward(dy)),
     }
     reps = 20 if tiny else 300
     out = {}

@@ -30,9 +30,12 @@ try:  # pragma: no cover - exercised wherever triton is installed
 except Exception:  # pragma: no cover
     JITFunction = None
 
-__all__ = ["Launcher", "FAST_LAUNCH", "device_ctx", "cdiv", "current_stream", "capturing", "hooks_active"]
+__all__ = ["Launcher", "FAST_LAUNCH", "device_ctx", "cdiv", "current_stream", "capturing", "hooks_active", "recording",
+           "Replay"]
 
 _NULL = contextlib.nullcontext()
+# the launches of the innermost active :func:`recording` (None: nothing records)
+_RECORDING: Optional[list] = None
 
 
 def cdiv(a: int, b: int) -> int:
@@ -132,6 +135,8 @@ class Launcher:
             grid = tuple(grid) + (1,) * (3 - len(grid))
         if not self.fast:
             self._jit(grid, tensors, ints, floats, consts, num_warps, num_stages, descs, maxnreg)
+            if _RECORDING is not None:
+                _RECORDING.append(None)  # no compiled entry to replay
             return None
         ptrs = list(map(_data_ptr, tensors))
         key = (
@@ -152,9 +157,15 @@ class Launcher:
         if entry is None:
             compiled = self._jit(grid, tensors, ints, floats, consts, num_warps, num_stages, descs, maxnreg)
             if compiled is None:
+                if _RECORDING is not None:
+                    _RECORDING.append(None)
                 return None
             entry = self.cache[key] = (compiled, compiled.function, compiled.packed_metadata)  # later calls: direct
+            if _RECORDING is not None:
+                _RECORDING.append(None if descs else (entry, grid, ptrs, ints, floats, consts))
             return entry
+        if _RECORDING is not None:
+            _RECORDING.append(None if descs else (entry, grid, ptrs, ints, floats, consts))
         compiled, function, packed = entry
         # exactly what ``CompiledKernel.__getitem__(grid)(*args)`` does, minus the closure and driver look-ups; the
         # pointers go as integers (Triton's launcher then skips a ``data_ptr()`` call and a driver pointer query
@@ -180,3 +191,66 @@ class Launcher:
         if maxnreg is not None:
             opts["maxnreg"] = maxnreg
         return self.fn[grid](*descs, *tensors, *ints, *floats, *consts, **opts)
+
+
+@contextlib.contextmanager
+def recording():
+    """Record the :class:`Launcher` launches made inside the block (a list, for :meth:`Replay.build`): each launch's
+    compiled entry, grid, pointers and scalars, or None for one that cannot be replayed (through Triton's JIT only:
+    the interpreter, a Triton without the fast launch, a kernel with tensor descriptors)."""
+    global _RECORDING
+    outer, _RECORDING = _RECORDING, []
+    try:
+        yield _RECORDING
+    finally:
+        _RECORDING = outer
+
+
+class Replay:
+    """A recorded sequence of launches (:func:`recording`) replayed on other tensors of the same shapes.
+
+    :meth:`build` maps every pointer a recorded launch took to one of a list of *named* tensors (the sequence's
+    inputs, outputs and temporaries, each allocated by the caller) and its byte offset there; a replay launches the
+    same compiled kernels with the same grids and scalars, and pointers at the same offsets of the tensors named in
+    the same order, straight through each ``CompiledKernel``'s launcher: none of the launchers' Python, the same
+    kernels and arguments, so the same results bit for bit. The caller keys a replay by everything its launchers'
+    choices depend on (shapes, dtypes, flags, tile settings, device) and runs it only where :meth:`applies`.
+    """
+
+    __slots__ = ("steps",)
+
+    def __init__(self, steps: tuple):
+        self.steps = steps
+
+    @classmethod
+    def build(cls, recorded: list, named: tuple) -> Optional["Replay"]:
+        """The replay of ``recorded`` over ``named`` (the tensors it was recorded on), or None if it cannot be
+        replayed: a launch without a compiled entry, a pointer inside none of the named tensors, an unaligned
+        pointer (the kernels were specialised for 16-byte alignment), or no launch at all."""
+        spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in named]
+        steps = []
+        for rec in recorded:
+            if rec is None:
+                return None
+            (compiled, function, packed), grid, ptrs, ints, floats, consts = rec
+            slots = []
+            for p in ptrs:
+                if p & 15:
+                    return None
+                index = next((i for i, (lo, hi) in enumerate(spans) if lo <= p < hi), None)
+                if index is None:
+                    return None
+                slots.append((index, p - spans[index][0]))
+            steps.append((compiled.run, function, packed, grid[0], grid[1], grid[2], tuple(slots),
+                          (*ints, *floats, *consts)))
+        return cls(tuple(steps)) if steps else None
+
+    @staticmethod
+    def applies(named: tuple) -> bool:
+        """A replay may run on these tensors: every base pointer 16-byte aligned and no launch hook set."""
+        return not (_reduce(_or, map(_data_ptr, named)) & 15) and not hooks_active()
+
+    def __call__(self, named: tuple, stream: int) -> None:
+        base = list(map(_data_ptr, named))
+        for run, function, packed, g0, g1, g2, slots, tail in self.steps:
+            run(g0, g1, g2, stream, function, packed, None, None, None, *[base[i] + off for i, off in slots], *tail)

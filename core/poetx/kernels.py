@@ -83,6 +83,10 @@ __all__ = [
     "block_outer",
     "cayley_forward",
     "cayley_backward",
+    "outer_splits",
+    "triu_indices",
+    "WORK_FORWARD",
+    "WORK_BACKWARD",
 ]
 
 #: False: every caller runs its PyTorch code (to compare against the kernels, or where Triton misbehaves)
@@ -446,6 +450,16 @@ if AVAILABLE:
             tl.store(out_ptr + offs, _cast_to(acc, out_ptr, SOFT_BF16), mask=mask)
 
     @triton.jit
+    def _sum_splits_kernel(p_ptr, out_ptr, M, n_split, SOFT_BF16: tl.constexpr, BLOCK: tl.constexpr):
+        # out[i] = Σ_s p[s, i], the splits added in order (fp32), one rounding to out's dtype
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < M
+        acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
+        for s in range(1, n_split):
+            acc += tl.load(p_ptr + s * M + offs, mask=mask, other=0.0)
+        tl.store(out_ptr + offs, _cast_to(acc, out_ptr, SOFT_BF16), mask=mask)
+
+    @triton.jit
     def _pack_kernel(d_ptr, rows_ptr, cols_ptr, out_ptr, out2_ptr, B, NPK, N1, SOFT_BF16: tl.constexpr,
                      BLOCK: tl.constexpr):
         # out[k, m] = D[k, rows[m], cols[m]] - D[k, cols[m], rows[m]]: the gradient of the stored θ of a skew Q;
@@ -478,6 +492,7 @@ if AVAILABLE:
     _CN_STEP = _Launcher(_cn_step_kernel)
     _CN_SUM = _Launcher(_cn_sum_kernel)
     _PACK = _Launcher(_pack_kernel)
+    _SUM_SPLITS = _Launcher(_sum_splits_kernel)
 
 
 def _parts(t_dtype: torch.dtype, g_dtype: torch.dtype) -> int:
@@ -503,14 +518,16 @@ GATHER_CONFIG: dict = {}
 CAYLEY_CONFIG: dict = {}
 
 
-def gather(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def gather(t: torch.Tensor, index: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``t[..., index]`` for a ``[d]`` int64 ``index`` (a permutation pass), one launch: the same values as
     ``index_select``, with a fraction of its host time. One row per program, up to 4096 features per tile: on the H200
     (bf16, 4096 features) 0.072 ms at 8192 rows and 0.022 ms at 2048, against ``index_select``'s 0.102 / 0.032 ms
-    (8 rows of 512 features per program: 0.200 / 0.055 ms; ``poetx_bench.py --sections ops --sweep``)."""
+    (8 rows of 512 features per program: 0.200 / 0.055 ms; ``poetx_bench.py --sections ops --sweep``). ``out``: a
+    contiguous ``[N, d]`` tensor of ``t``'s dtype to write into (for 2-D ``t``)."""
     t2 = _rows(t)
     n_rows, d = t2.shape[0], index.numel()
-    out = torch.empty((n_rows, d), dtype=t.dtype, device=t.device)
+    if out is None:
+        out = torch.empty((n_rows, d), dtype=t.dtype, device=t.device)
     if n_rows and d:
         cfg = GATHER_CONFIG
         block_r, block_c = cfg.get("block_r", 1), _p2(d, hi=cfg.get("block_c", 4096))
@@ -546,15 +563,18 @@ def rotate(
     bias: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
     split: Optional[tuple] = None,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """:func:`fastdora.poetx.ops.rotate` (same arguments and result) in one launch, the permutation fused into the
     loads and stores; ``perm=None``: the identity (blocks of contiguous features, unit-stride loads and stores).
     ``split``: :func:`split_blocks` of float32 ``blocks`` in ``t``'s half dtype (the same products, read instead of
-    formed in each program)."""
+    formed in each program). ``out``: a contiguous ``[N, d]`` tensor of the result dtype to write into (for 2-D
+    ``t``)."""
     n_blocks, b = blocks.shape[0], blocks.shape[-1]
     t2 = _rows(t)
     n_rows, d = t2.shape
-    out = torch.empty((n_rows, d), dtype=out_dtype or t.dtype, device=t.device)
+    if out is None:
+        out = torch.empty((n_rows, d), dtype=out_dtype or t.dtype, device=t.device)
     if n_rows == 0 or d == 0:
         return out.reshape(*t.shape[:-1], d)
     g = blocks.contiguous()
@@ -586,11 +606,33 @@ def _sm_count_cuda(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _outer_tiling(n_rows: int, n_blocks: int, size: int, device: torch.device) -> tuple:
+    """``(block_n, block_c, n_ctiles, n_split, rows_per_prog)`` of :func:`block_outer`."""
+    cfg = OUTER_CONFIG
+    block_c = _p2(size, hi=cfg.get("block_c", 128))
+    block_n = _p2(min(n_rows, cfg.get("block_n", 64)), hi=cfg.get("block_n", 64))
+    n_ctiles = _cdiv(size, block_c)
+    tiles = n_blocks * n_ctiles * n_ctiles
+    # split the tokens over programs while the tiles alone leave the GPU's multiprocessors idle
+    target = 2 * _sm_count(device)
+    n_split = max(1, min(_cdiv(target, tiles), n_rows // cfg.get("split_rows", 1024)))
+    rows_per_prog = _cdiv(_cdiv(n_rows, n_split), block_n) * block_n
+    return block_n, block_c, n_ctiles, _cdiv(n_rows, rows_per_prog), rows_per_prog
+
+
+def outer_splits(n_rows: int, blocks: torch.Tensor) -> int:
+    """Over how many programs :func:`block_outer` splits ``n_rows`` tokens for ``blocks`` (its ``partial`` holds that
+    many float32 copies of ``blocks`` when more than one)."""
+    return _outer_tiling(n_rows, blocks.shape[0], blocks.shape[-1], blocks.device)[3]
+
+
 def block_outer(a: torch.Tensor, b: torch.Tensor, perm: Optional[torch.Tensor], blocks: torch.Tensor,
-                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                out: Optional[torch.Tensor] = None, partial: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`fastdora.poetx.ops.block_outer` (same arguments and result): per block ``Σ_rows gather(a)ᵀ ⊗
     gather(b)``, fp32 accumulation, the permutation fused into the loads (``perm=None``: the identity). ``out``: a
-    contiguous tensor of ``blocks``' shape and dtype to write the result into (returned)."""
+    contiguous tensor of ``blocks``' shape and dtype to write the result into (returned). Where the tokens are split
+    over programs (:func:`outer_splits`), the float32 partial sums go to ``partial`` (contiguous ``[splits,
+    *blocks.shape]``; allocated when not given) and one more launch adds them in order."""
     n_blocks, size = blocks.shape[0], blocks.shape[-1]
     a2, b2 = _rows(a), _rows(b)
     n_rows = a2.shape[0]
@@ -598,35 +640,24 @@ def block_outer(a: torch.Tensor, b: torch.Tensor, perm: Optional[torch.Tensor], 
         return blocks.new_zeros(blocks.shape) if out is None else out.zero_()
     gather = perm is not None
     perm = perm.contiguous() if gather else blocks
-    cfg = OUTER_CONFIG
-    block_c = block_j = _p2(size, hi=cfg.get("block_c", 128))
-    block_n = _p2(min(n_rows, cfg.get("block_n", 64)), hi=cfg.get("block_n", 64))
-    n_ctiles = _cdiv(size, block_c)
+    block_n, block_c, n_ctiles, n_split, rows_per_prog = _outer_tiling(n_rows, n_blocks, size, a.device)
     tiles = n_blocks * n_ctiles * n_ctiles
-    # split the tokens over programs while the tiles alone leave the GPU's multiprocessors idle
-    target = 2 * _sm_count(a.device)
-    n_split = max(1, min(_cdiv(target, tiles), n_rows // cfg.get("split_rows", 1024)))
-    rows_per_prog = _cdiv(_cdiv(n_rows, n_split), block_n) * block_n
-    n_split = _cdiv(n_rows, rows_per_prog)
     half = a2.dtype == b2.dtype and a2.dtype in _HALF
     result = out
-    if n_split == 1:
-        if result is None:
-            result = torch.empty(blocks.shape, dtype=blocks.dtype, device=blocks.device)
-        partial = result
-    else:
+    if result is None:
+        result = torch.empty(blocks.shape, dtype=blocks.dtype, device=blocks.device)
+    if n_split > 1 and partial is None:
         partial = torch.empty((n_split, *blocks.shape), dtype=torch.float32, device=blocks.device)
+    dest = result if n_split == 1 else partial
     with _device_ctx(a):
-        _OUTER((tiles, n_split), (a2, b2, perm, partial),
+        _OUTER((tiles, n_split), (a2, b2, perm, dest),
                (n_rows, size, a2.stride(0), b2.stride(0), n_ctiles, n_ctiles, rows_per_prog, blocks.numel()), (0.0,),
                # HALF, UPCAST, SOFT_BF16, GATHER, BLOCK_N, BLOCK_C, BLOCK_J
-               (half, not a.is_cuda, not a.is_cuda, gather, block_n, block_c, block_j), cfg.get("warps", 8))
-    if n_split == 1:
-        return result
-    if result is not None and result.dtype == torch.float32:
-        return torch.sum(partial, 0, out=result)  # fixed order over the splits
-    total = partial.sum(0).to(blocks.dtype)
-    return total if result is None else result.copy_(total)
+               (half, not a.is_cuda, not a.is_cuda, gather, block_n, block_c, block_c), OUTER_CONFIG.get("warps", 8))
+        if n_split > 1:
+            m = blocks.numel()
+            _SUM_SPLITS((_cdiv(m, 1024),), (partial, result), (m, n_split), (), (not a.is_cuda, 1024), 4)
+    return result
 
 
 def _cn_tiles(size: int) -> tuple:
@@ -669,13 +700,15 @@ def _cn_sum(out, size, prods, *, z1, cz1=1.0, z2=None, cz2=0.0, gamma=0.0):
     return out
 
 
-def _dense_skew(packed: torch.Tensor, size: int, second: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _dense_skew(packed: torch.Tensor, size: int, second: Optional[torch.Tensor] = None,
+                q: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The dense fp32 skew blocks ``Q`` (``[n, b, b]``) of the packed triangles (and of ``second``'s after them), one
-    launch."""
+    launch (into ``q`` when given)."""
     n1 = packed.shape[0]
     n_blocks = n1 + (0 if second is None else second.shape[0])
     block_t, _, n_tiles, _, _ = _cn_tiles(size)
-    q = torch.empty((n_blocks, size, size), dtype=torch.float32, device=packed.device)
+    if q is None:
+        q = torch.empty((n_blocks, size, size), dtype=torch.float32, device=packed.device)
     _UNPACK((n_blocks * n_tiles * n_tiles,), (packed, packed if second is None else second, q),
             (size, packed.shape[1], n_tiles, n1), (), (block_t,), 4)
     return q
@@ -690,20 +723,30 @@ def _packed_pair(packed: torch.Tensor, second: Optional[torch.Tensor]) -> tuple:
     return packed, second, packed.shape[0] + (0 if second is None else second.shape[0])
 
 
+#: dense float32 ``[n_blocks, b, b]`` temporaries of :func:`cayley_forward` / :func:`cayley_backward` at ``k = 3``
+#: (their ``work`` argument)
+WORK_FORWARD, WORK_BACKWARD = 2, 4
+
+
 def cayley_forward(packed: torch.Tensor, block_size: int, terms: int,
-                   second: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   second: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+                   work: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``G = I + 2(Q + … + Qᵏ) + Qᵏ⁺¹`` (``[n_blocks, b, b]`` in ``packed``'s dtype) from the packed skew ``Q``; fp32
     products, one rounding to ``packed``'s dtype. ``second``: more packed blocks of the same dtype, whose ``G`` follow
-    (the two sides of a layer in one set of launches, without concatenating them)."""
+    (the two sides of a layer in one set of launches, without concatenating them). ``out``: a contiguous tensor of
+    the result's shape and dtype to write into; ``work``: at ``k = 3``, a contiguous float32 ``[WORK_FORWARD, n_blocks,
+    b, b]`` tensor for the temporaries (``Q``, ``Q²``)."""
     packed, second, n_blocks = _packed_pair(packed, second)
     b = block_size
-    out = torch.empty((n_blocks, b, b), dtype=packed.dtype, device=packed.device)
+    if out is None:
+        out = torch.empty((n_blocks, b, b), dtype=packed.dtype, device=packed.device)
     if n_blocks == 0:
         return out
+    work = work if terms == 3 else None
     with _device_ctx(packed):
-        q = _dense_skew(packed, b, second)
+        q = _dense_skew(packed, b, second, None if work is None else work[0])
         if terms == 3:  # from Q and S = Q²: G = I + 2Q + 2S + S·(S + 2Q), two launches after the unpack
-            sq = _cn_step(q, q, q, None, torch.empty_like(q), b)
+            sq = _cn_step(q, q, q, None, torch.empty_like(q) if work is None else work[1], b)
             return _cn_sum(out, b, [(1.0, sq, sq, q, 2.0)], z1=sq, cz1=2.0, z2=q, cz2=2.0, gamma=1.0)
         if terms == 1:
             return _cn_step(q, q, q, None, out, b, beta=2.0, gamma=1.0)  # G = Q·Q + 2Q + I
@@ -714,22 +757,29 @@ def cayley_forward(packed: torch.Tensor, block_size: int, terms: int,
 
 
 def cayley_backward(packed: torch.Tensor, grad_g: torch.Tensor, block_size: int, terms: int,
-                    second: Optional[torch.Tensor] = None):
+                    second: Optional[torch.Tensor] = None, out: Optional[tuple] = None,
+                    work: Optional[torch.Tensor] = None):
     """``∂L/∂θ`` (``[n_blocks, b(b−1)/2]``, ``packed``'s dtype) from ``Γ = ∂L/∂G``; fp32 products. With ``second``
-    (see :func:`cayley_forward`; ``grad_g`` covers both): the pair ``(∂L/∂packed, ∂L/∂second)``."""
+    (see :func:`cayley_forward`; ``grad_g`` covers both): the pair ``(∂L/∂packed, ∂L/∂second)``. ``out``: the
+    pair of contiguous tensors to write the two gradients into (with ``second``); ``work``: at ``k = 3``, a contiguous
+    float32 ``[WORK_BACKWARD, n_blocks, b, b]`` tensor for the temporaries."""
     packed, second, n_blocks = _packed_pair(packed, second)
     b, k = block_size, terms
-    out = torch.empty_like(packed)
-    out2 = out if second is None else torch.empty_like(second)
+    if out is not None and second is not None:
+        out, out2 = out
+    else:
+        out = torch.empty_like(packed)
+        out2 = out if second is None else torch.empty_like(second)
     if n_blocks == 0:
         return out if second is None else (out, out2)
+    work = work if k == 3 else None
     with _device_ctx(packed):
-        q = _dense_skew(packed, b, second)
+        q = _dense_skew(packed, b, second, None if work is None else work[0])
         if k == 3:
-            w = _cayley3_backward(q, grad_g.to(torch.float32).contiguous(), b)
+            w = _cayley3_backward(q, grad_g.to(torch.float32).contiguous(), b, work)
         else:
             w = _horner_backward(q, grad_g, b, k)
-        rows, cols = _triu_idx(b, packed.device)
+        rows, cols = triu_indices(b, packed.device)
         npk = rows.numel()
         block = min(1024, _p2(npk))
         _PACK((_cdiv(npk, block), n_blocks), (w, rows, cols, out, out2), (b, npk, packed.shape[0]), (),
@@ -737,13 +787,15 @@ def cayley_backward(packed: torch.Tensor, grad_g: torch.Tensor, block_size: int,
     return out if second is None else (out, out2)
 
 
-def _cayley3_backward(q: torch.Tensor, grad: torch.Tensor, b: int) -> torch.Tensor:
+def _cayley3_backward(q: torch.Tensor, grad: torch.Tensor, b: int, work: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The dense ``∂L/∂Q`` of ``G = I + 2Q + 2S + S·M`` (``S = Q²``, ``M = 2Q + S``) from ``Γ`` (dense fp32): with
     ``Sᵀ = S`` and ``Qᵀ = −Q``, ``∂L/∂S = 2Γ + Γ·(S − 2Q) + S·Γ`` and ``∂L/∂Q = 2Γ + 2·S·Γ − (∂L/∂S)·Q − Q·(∂L/∂S)``:
-    three launches, six products (one per product of the Horner recurrence, in half its launches)."""
-    sq = _cn_step(q, q, q, None, torch.empty_like(q), b)
-    d_s = _cn_sum(torch.empty_like(q), b, [(1.0, grad, sq, q, -2.0), (1.0, sq, grad)], z1=grad, cz1=2.0)
-    return _cn_sum(torch.empty_like(q), b, [(2.0, sq, grad), (-1.0, d_s, q), (-1.0, q, d_s)], z1=grad, cz1=2.0)
+    three launches, six products (one per product of the Horner recurrence, in half its launches). ``work``: see
+    :func:`cayley_backward` (``work[0]`` is ``q``)."""
+    sq, d_s, w = (torch.empty_like(q) for _ in range(3)) if work is None else (work[1], work[2], work[3])
+    sq = _cn_step(q, q, q, None, sq, b)
+    d_s = _cn_sum(d_s, b, [(1.0, grad, sq, q, -2.0), (1.0, sq, grad)], z1=grad, cz1=2.0)
+    return _cn_sum(w, b, [(2.0, sq, grad), (-1.0, d_s, q), (-1.0, q, d_s)], z1=grad, cz1=2.0)
 
 
 def _horner_backward(q: torch.Tensor, grad_g: torch.Tensor, b: int, k: int) -> torch.Tensor:
@@ -764,6 +816,6 @@ def _horner_backward(q: torch.Tensor, grad_g: torch.Tensor, b: int, k: int) -> t
 
 
 @functools.lru_cache(maxsize=None)
-def _triu_idx(block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def triu_indices(block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = torch.triu_indices(block_size, block_size, offset=1, device=device)
     return rows.to(torch.int32), cols.to(torch.int32)

@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from . import cayley as _cayley
 from . import kernels as _kernels
 from . import quant as _quant
+from . import replay as _replay
 
 __all__ = ["MODES", "rotate", "block_outer", "to_frame", "poetx_linear", "poetx_layer"]
 
@@ -277,14 +278,20 @@ class _PoetXLayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, scales, bias, q_in, q_out, perm_in, perm_out, block_size, terms, save, rows, given):
         with torch.autocast(x.device.type, enabled=False):
-            if given is None:
-                g = _cayley.series(q_in, block_size, terms, q_out)
-            else:  # the blocks of both sides, computed by the caller (a batched series): their gradient is returned
-                g = given
-            n_in = x.shape[-1] // block_size
+            x2 = x.reshape(-1, x.shape[-1])
             bias_p = None if bias is None else bias.index_select(0, perm_out)
-            xp, up, y = _forward(x.reshape(-1, x.shape[-1]), weight, scales, rows, bias_p, g[:n_in], g[n_in:],
-                                 perm_in, perm_out, _kernels.applies(x, g, bias))
+            if given is None and scales is None and _replay.applies(x2, weight, bias, q_in, q_out):
+                # the same launches as below, replayed (fastdora.poetx.replay)
+                xp, up, y, g = _replay.forward(x2, weight, bias_p, q_in, q_out, perm_in, _inverse(perm_out),
+                                               block_size, terms)
+            else:
+                if given is None:
+                    g = _cayley.series(q_in, block_size, terms, q_out)
+                else:  # the blocks of both sides, computed by the caller (a batched series): their gradient is returned
+                    g = given
+                n_in = x.shape[-1] // block_size
+                xp, up, y = _forward(x2, weight, scales, rows, bias_p, g[:n_in], g[n_in:], perm_in, perm_out,
+                                     _kernels.applies(x, g, bias))
         if save:
             ctx.save_for_backward(None, xp, up, g, weight, scales, q_in, q_out, perm_in, perm_out)
         else:  # ("mem": the blocks are recomputed from Q, unless they were given)
@@ -305,14 +312,20 @@ class _PoetXLayer(torch.autograd.Function):
             gy = grad_y.reshape(-1, weight.shape[0])
             if need_bias:
                 grad_bias = _grad_bias(gy, ctx.bias_dtype)
-            if need_x or need_q_in or need_q_out:
+            x2 = None if x is None else x.reshape(-1, x.shape[-1])
+            if (need_q_in and need_q_out and not ctx.given and scales is None and not torch.is_grad_enabled()
+                    and (x2 is None or x2.is_contiguous()) and _replay.applies(gy, weight, q_in, q_out)):
+                # the same launches as below, replayed (fastdora.poetx.replay)
+                grad_x, grad_q_in, grad_q_out = _replay.backward(gy, x2, xp, up, g, weight, q_in, q_out, perm_in,
+                                                                 perm_out, _inverse(perm_in), ctx.block_size,
+                                                                 ctx.terms, need_x)
+            elif need_x or need_q_in or need_q_out:
                 if g is None:
                     g = _cayley.series(q_in, ctx.block_size, ctx.terms, q_out)
                 n_in = ctx.x_shape[-1] // ctx.block_size
                 grad_g = None
                 if need_q_in or need_q_out:  # a side without a gradient keeps zeros
                     grad_g = torch.empty_like(g) if need_q_in and need_q_out else torch.zeros_like(g)
-                x2 = None if x is None else x.reshape(-1, x.shape[-1])
                 grad_x, _, _ = _backward(gy, x2, xp, up, weight, scales, ctx.rows, g[:n_in], g[n_in:], perm_in,
                                          perm_out, need_x, need_q_in, need_q_out, _backward_kernels(gy, g), grad_g)
                 if grad_g is not None and ctx.given:

@@ -164,3 +164,67 @@ def test_fast_launch_detected_for_the_installed_triton():
     if (major, minor) >= (3, 4):
         # Triton 3.4 ... 3.9 pass every bound argument (constexprs included) to CompiledKernel.run
         assert launch.FAST_LAUNCH
+
+
+class _Recorded:
+    """A compiled kernel whose ``run`` logs its launches (grid, stream, arguments)."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def run(self, g0, g1, g2, stream, function, packed, meta, enter, exit_, *args):
+        assert (function, packed, meta, enter, exit_) == ("fn", "packed", None, None, None)
+        self.log.append(((g0, g1, g2), stream, args))
+
+
+def _entry(log):
+    return (_Recorded(log), "fn", "packed")
+
+
+def test_replay_maps_pointers_to_named_tensors_and_their_offsets():
+    log = []
+    a, b = torch.empty(64, dtype=torch.float32), torch.empty(8, 16, dtype=torch.bfloat16)
+    view = b[4:]  # a pointer inside b: offset 4 rows of 16 bf16 = 128 bytes
+    recorded = [(_entry(log), (3, 1, 1), (a.data_ptr(), view.data_ptr(), a.data_ptr()), (64, 5), (0.5,), (True, 32)),
+                (_entry(log), (2, 2, 1), (b.data_ptr(),), (), (), (16,))]
+    replay = launch.Replay.build(recorded, (a, b))
+    assert replay is not None
+    a2, b2 = torch.empty_like(a), torch.empty_like(b)
+    replay((a2, b2), 11)
+    assert log == [((3, 1, 1), 11, (a2.data_ptr(), b2.data_ptr() + 128, a2.data_ptr(), 64, 5, 0.5, True, 32)),
+                   ((2, 2, 1), 11, (b2.data_ptr(), 16))]
+
+
+def test_replay_refuses_what_it_cannot_replay():
+    log = []
+    a, other = torch.empty(64), torch.empty(64)
+    ok = (_entry(log), (1, 1, 1), (a.data_ptr(),), (), (), ())
+    assert launch.Replay.build([ok], (a,)) is not None
+    assert launch.Replay.build([ok, None], (a,)) is None  # a launch through the JIT
+    assert launch.Replay.build([(_entry(log), (1, 1, 1), (other.data_ptr(),), (), (), ())], (a,)) is None  # unnamed
+    assert launch.Replay.build([(_entry(log), (1, 1, 1), (a.data_ptr() + 4,), (), (), ())], (a,)) is None  # unaligned
+    assert launch.Replay.build([], (a,)) is None
+
+
+def test_replay_applies_only_to_aligned_tensors_without_hooks(monkeypatch):
+    a = torch.empty(64)
+    assert launch.Replay.applies((a,)) == (not launch.hooks_active())
+    assert not launch.Replay.applies((a, a[1:]))  # a base pointer 4 bytes past an aligned one
+
+
+def test_recording_collects_the_launches_of_its_block(monkeypatch):
+    fn, launcher = _fast_launcher(monkeypatch, _Knobs, _Compiled)
+    t = torch.empty(16)
+    launcher((1,), (t,), (16,), (), (8,), 4)  # outside any recording
+    with launch.recording() as rec:
+        launcher((1,), (t,), (16,), (), (8,), 4)  # a cache hit
+        launcher((2,), (t,), (16,), (), (4,), 4)  # a new specialisation: compiled, then recorded too
+        with launch.recording() as inner:
+            launcher((1,), (t,), (16,), (), (8,), 4)
+    assert len(rec) == 2 and len(inner) == 1
+    assert [r[1] for r in rec] == [(1, 1, 1), (2, 1, 1)] and rec[0][2] == [t.data_ptr()] and rec[1][5] == (4,)
+    slow = launch.Launcher(_Jit())  # not on the fast path: nothing to replay
+    slow.fast = False
+    with launch.recording() as rec:
+        slow((1,), (t,), (), (), (), 4)
+    assert rec == [None]

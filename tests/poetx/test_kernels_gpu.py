@@ -205,3 +205,51 @@ def test_batched_series_equals_each_layers_own_series(monkeypatch):
     assert torch.equal(out[0][0], out[1][0])
     for name, grad in out[0][2].items():
         assert torch.equal(grad, out[1][2][name]), name
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("x_grad", [True, False], ids=["x-grad", "no-x-grad"])
+@pytest.mark.parametrize("mode", ["fast", "mem"])
+def test_layer_replay_equals_the_op_path(mode, x_grad, bias, monkeypatch):
+    """``poetx_layer`` with its launches recorded on the first call and replayed on later ones
+    (:mod:`fastdora.poetx.replay`): every segment replayable, no launcher runs on the second call, outputs and
+    gradients bitwise those of the op's own path (``replay.ENABLED = False``), at 3000 tokens (block gradients split
+    over programs) in bfloat16 with float32 Q."""
+    from fastdora.poetx import replay
+
+    d_in, d_out, b, n = 4096, 1536, 256, 3000
+    gen = torch.Generator(DEV).manual_seed(11)
+    x = torch.randn(n, d_in, generator=gen, device=DEV).to(BF16)
+    weight = (torch.randn(d_out, d_in, generator=gen, device=DEV) * d_in ** -0.5).to(BF16)
+    bias_t = torch.randn(d_out, generator=gen, device=DEV).to(BF16) if bias else None
+    q_in = torch.randn(d_in // b, skew_size(b), generator=gen, device=DEV) * 0.3 / b ** 0.5
+    q_out = torch.randn(d_out // b, skew_size(b), generator=gen, device=DEV) * 0.3 / b ** 0.5
+    perm_in = torch.randperm(d_in, generator=gen, device=DEV)
+    perm_out = torch.randperm(d_out, generator=gen, device=DEV)
+    grad_y = torch.randn(n, d_out, generator=gen, device=DEV).to(BF16)
+    assert K.outer_splits(n, torch.empty(d_out // b, b, b, device=DEV)) > 1
+
+    def run():
+        xs = x.clone().requires_grad_(x_grad)
+        qi, qo = q_in.clone().requires_grad_(), q_out.clone().requires_grad_()
+        y = poetx_layer(xs, weight, bias_t, qi, qo, perm_in, perm_out, b, 3, mode)
+        y.backward(grad_y)
+        return y, xs.grad, qi.grad, qo.grad
+
+    replay.clear()
+    first = run()
+    assert {k[0] for k in replay._REPLAYS} == {"front", "back", "grad_out", "grad_in"}
+    assert all(r is not None for r in replay._REPLAYS.values()), "a segment could not be replayed"
+
+    def no_launcher(*args, **kwargs):
+        raise AssertionError("a launcher ran on a replayed call")
+
+    with monkeypatch.context() as m:
+        for name in ("gather", "rotate", "block_outer", "cayley_forward", "cayley_backward"):
+            m.setattr(K, name, no_launcher)
+        again = run()
+    monkeypatch.setattr(replay, "ENABLED", False)
+    ref = run()
+    assert (ref[1] is None) == (not x_grad)
+    for name, f, a, r in zip(("output", "grad x", "grad q_in", "grad q_out"), first, again, ref):
+        assert (r is None and f is None and a is None) or (torch.equal(f, r) and torch.equal(a, r)), name

@@ -423,6 +423,39 @@ else:
             for a, c in zip(_run_layer(case, "fast", entry=entry), _run_layer(case, "mem", entry=entry)):
                 assert torch.equal(a, c)
 
+    @pytest.mark.parametrize("mode", ["fast", "mem"])
+    @pytest.mark.parametrize("dtype", [F32, BF16])
+    @pytest.mark.parametrize("x_grad", [True, False], ids=["x-grad", "no-x-grad"])
+    def test_layer_segments_equal_the_op_path(mode, dtype, x_grad, monkeypatch):
+        """``poetx_layer`` through :mod:`fastdora.poetx.replay`'s segments (the launchers into its own tensors;
+        under the interpreter nothing is replayed) and through the op's own path (``replay.ENABLED = False``):
+        bitwise equal outputs and gradients, with 2500 tokens (the block gradients split over programs and summed by
+        a kernel) and without a gradient for x."""
+        from fastdora.poetx import replay
+
+        case = _layer_case(16, 24, 8, 2500, dtype, F32, seed=7)
+        b, stored = case["b"], case["weight"][case["perm_out"]][:, case["perm_in"]]
+        assert K.outer_splits(2500, torch.empty(2, b, b)) > 1
+
+        def run():
+            x = case["x"].clone().requires_grad_(x_grad)
+            q_in, q_out = case["q_in"].clone().requires_grad_(), case["q_out"].clone().requires_grad_()
+            y = poetx_layer(x, stored, case["bias"], q_in, q_out, case["perm_in"], case["perm_out"], b, 3, mode)
+            (y.double() * case["grad_y"]).sum().backward()
+            return y, x.grad, q_in.grad, q_out.grad
+
+        replay.clear()
+        with _counting("_SUM_SPLITS") as calls:
+            got = run()
+        assert calls["_SUM_SPLITS"] == 2  # both sides' block gradients
+        assert set(replay._REPLAYS) and all(v is None for v in replay._REPLAYS.values())  # nothing to replay here
+        assert {k[0] for k in replay._REPLAYS} == {"front", "back", "grad_out", "grad_in"}
+        monkeypatch.setattr(replay, "ENABLED", False)
+        ref = run()
+        assert (got[1] is None) == (not x_grad)
+        for name, g, r in zip(("output", "grad x", "grad q_in", "grad q_out"), got, ref):
+            assert (g is None and r is None) or torch.equal(g, r), name
+
     def test_batched_series_through_the_kernels(monkeypatch):
         """A converted model's batched series (fastdora.poetx.batch) through the kernels, bfloat16 activations with
         float32 Q: outputs and gradients bitwise those of each layer's own series; the series kernels run once per
