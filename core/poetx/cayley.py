@@ -119,14 +119,16 @@ def neumann_series_backward(q: torch.Tensor, grad_g: torch.Tensor, terms: int) -
 
 
 def series(packed: torch.Tensor, block_size: int, terms: int,
-           second: Optional[torch.Tensor] = None) -> torch.Tensor:
+           second: Optional[torch.Tensor] = None, precise: bool = False) -> torch.Tensor:
     """The blocks ``G`` of :func:`cayley_neumann` without recording a graph: the Triton kernels where they take
     ``packed``, :func:`neumann_series` otherwise; in ``packed``'s dtype whatever autocast the caller is under (under
     bfloat16 autocast the PyTorch products would otherwise run in bfloat16: blocks ~5e-4 away from orthogonal).
     ``second``: more packed blocks of the same dtype, whose ``G`` follow ``packed``'s (one set of launches for both
-    sides of a layer)."""
+    sides of a layer). ``precise``: the kernels' products at float32-level accuracy (a merge or an export,
+    :data:`~fastdora.poetx.kernels.MERGE_PRECISION`) rather than a training step's (``CAYLEY_PRECISION``)."""
     if _kernels.applies(packed, second):
-        return _kernels.cayley_forward(packed, block_size, terms, second)
+        return _kernels.cayley_forward(packed, block_size, terms, second,
+                                       precision=_kernels.MERGE_PRECISION if precise else None)
     if second is not None:
         packed = torch.cat([packed, second])
     with torch.autocast(packed.device.type, enabled=False):

@@ -32,7 +32,7 @@ from torch import nn
 
 from . import quant
 from .batch import blocks_for
-from .cayley import cayley_neumann, skew_size
+from .cayley import cayley_neumann, series, skew_size
 from .ops import MODES, poetx_layer, poetx_linear, rotate, to_frame
 
 try:  # FSDP2 / tensor parallelism shard parameters as DTensors
@@ -221,9 +221,10 @@ class PoetXLinear(nn.Module):
 
     @torch.no_grad()
     def _full_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`blocks` from the whole ``Q`` (all-gathered when it is sharded), as plain tensors."""
-        return (cayley_neumann(_full(self.q_in), self.block_size, self.terms),
-                cayley_neumann(_full(self.q_out), self.block_size, self.terms))
+        """:meth:`blocks` from the whole ``Q`` (all-gathered when it is sharded), as plain tensors, the series'
+        products at float32-level accuracy (what a merge or an export multiplies into the weight)."""
+        return (series(_full(self.q_in), self.block_size, self.terms, precise=True),
+                series(_full(self.q_out), self.block_size, self.terms, precise=True))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
@@ -280,8 +281,9 @@ class PoetXLinear(nn.Module):
     @torch.no_grad()
     def effective_weight(self) -> torch.Tensor:
         """``R·W·P`` in the model's layout, not rounded: in float32 (float64 if the weight or ``Q`` is float64), with
-        the blocks the forward uses (computed in ``Q``'s dtype). A plain tensor, the whole matrix on every rank when the
-        parameters are sharded (FSDP2): ``W``, ``q_in`` and ``q_out`` are then all-gathered. With an int8 weight,
+        the blocks the forward uses (computed in ``Q``'s dtype; on the GPU with the series' products at float32-level
+        accuracy, :data:`fastdora.poetx.kernels.MERGE_PRECISION`). A plain tensor, the whole matrix on every rank when
+        the parameters are sharded (FSDP2): ``W``, ``q_in`` and ``q_out`` are then all-gathered. With an int8 weight,
         ``W`` is the dequantised weight, assembled from chunks of rows (the result itself is full: it is for
         :meth:`to_linear` and inspection)."""
         out = None

@@ -145,15 +145,18 @@ def backward(gy, x2, xp, up, g, weight, q_in, q_out, perm_in, perm_out, inv_in, 
     grad_g = _empty(g.shape, dtype=g.dtype, device=device)
     t = _empty(gy.shape, dtype=gy.dtype, device=device)
     splits = _kernels.outer_splits(n_rows, g)
-    partial_out = _empty((splits, g.shape[0] - n_in, b, b), dtype=torch.float32, device=device) if splits > 1 else gyp
+    # the token split's fp32 partial sums (only where the block gradient splits the tokens: a function of the problem)
+    partial_out = _empty((splits, g.shape[0] - n_in, b, b), dtype=torch.float32, device=device) if splits > 1 else None
 
     def run_out():
         _kernels.gather(gy, perm_out, out=gyp)
-        _kernels.block_outer(gyp, up, None, g[n_in:], out=grad_g[n_in:],
-                             partial=partial_out if splits > 1 else None)
+        _kernels.block_outer(gyp, up, None, g[n_in:], out=grad_g[n_in:], partial=partial_out)
         _kernels.rotate(gyp, None, g[n_in:], transpose=True, out=t)
 
-    _segment(("grad_out", problem), (gy, perm_out, gyp, up, g, grad_g, t, partial_out), run_out, stream)
+    named = (gy, perm_out, gyp, up, g, grad_g, t)
+    if partial_out is not None:
+        named += (partial_out,)
+    _segment(("grad_out", problem), named, run_out, stream)
     gzp = t @ weight
     grad_x = s = None
     if need_x:
@@ -163,16 +166,18 @@ def backward(gy, x2, xp, up, g, weight, q_in, q_out, perm_in, perm_out, inv_in, 
     grad_q_in, grad_q_out = torch.empty_like(q_in), torch.empty_like(q_out)
     rows, cols = _kernels.triu_indices(b, device)
     splits_in = _kernels.outer_splits(n_rows, g[:n_in])
-    partial_in = _empty((splits_in, n_in, b, b), dtype=torch.float32, device=device) if splits_in > 1 else work
+    partial_in = _empty((splits_in, n_in, b, b), dtype=torch.float32, device=device) if splits_in > 1 else None
 
     def run_in():
-        _kernels.block_outer(gzp, xp, None, g[:n_in], out=grad_g[:n_in], partial=partial_in if splits_in > 1 else None)
+        _kernels.block_outer(gzp, xp, None, g[:n_in], out=grad_g[:n_in], partial=partial_in)
         if need_x:
             _kernels.rotate(gzp, None, g[:n_in], transpose=True, out=s)
             _kernels.gather(s, inv_in, out=grad_x)
         _kernels.cayley_backward(q_in, grad_g, b, terms, q_out, out=(grad_q_in, grad_q_out), work=work)
 
-    named = (gzp, xp, g, grad_g, q_in, q_out, work, grad_q_in, grad_q_out, rows, cols, partial_in)
+    named = (gzp, xp, g, grad_g, q_in, q_out, work, grad_q_in, grad_q_out, rows, cols)
+    if partial_in is not None:
+        named += (partial_in,)
     if need_x:
         named += (s, inv_in, grad_x)
     _segment(("grad_in", problem), named, run_in, stream)

@@ -383,6 +383,28 @@ else:
         rhs = (grad * direction).sum()
         assert abs((lhs - rhs) / lhs).item() <= 1e-6
 
+    @pytest.mark.parametrize("terms", [3, 2])
+    def test_cayley_writes_into_out(terms):
+        """``out=`` (and ``work=`` at three terms) receive the results of the allocating calls, for one packed tensor
+        and for a pair."""
+        gen = torch.Generator().manual_seed(5 + terms)
+        b = 8
+        first, second = (torch.randn(n, skew_size(b), generator=gen) * 0.2 for n in (2, 3))
+        grad_g = torch.randn(5, b, b, generator=gen)
+        work_f = torch.empty((K.WORK_FORWARD, 5, b, b)) if terms == 3 else None
+        work_b = torch.empty((K.WORK_BACKWARD, 5, b, b)) if terms == 3 else None
+        g = torch.full((5, b, b), float("nan"))
+        assert K.cayley_forward(first, b, terms, second, out=g, work=work_f) is g
+        torch.testing.assert_close(g, K.cayley_forward(first, b, terms, second), rtol=0, atol=0)
+        one = torch.full_like(first, float("nan"))
+        assert K.cayley_backward(first, grad_g[:2], b, terms, out=one) is one
+        torch.testing.assert_close(one, K.cayley_backward(first, grad_g[:2], b, terms), rtol=0, atol=0)
+        pair = (torch.full_like(first, float("nan")), torch.full_like(second, float("nan")))
+        got = K.cayley_backward(first, grad_g, b, terms, second, out=pair, work=work_b)
+        assert got[0] is pair[0] and got[1] is pair[1]
+        for k, e in zip(pair, K.cayley_backward(first, grad_g, b, terms, second)):
+            torch.testing.assert_close(k, e, rtol=0, atol=0)
+
     LAYER_DTYPES = [(F32, F32), (BF16, F32), (F16, F32)]
     REL_ORACLE = {F32: 1e-6, BF16: 1e-2, F16: 2e-3}
 
