@@ -1,7 +1,8 @@
 """One POET-X layer, forward + backward, at Llama-8B shapes: fastdora's POET-X (fast / mem modes, with its Triton
-kernels and with its PyTorch path) against a trainable ``nn.Linear`` and a plain PyTorch POET-X written the
-straightforward way (``_poetx_plain.PlainPoetX``: blocks built with batched matmuls, separate gathers of the
-activations, autograd backward).
+kernels and with its PyTorch path; ``poetx-fast-f32blocks``: fast mode with the series writing float32 blocks that each
+block product splits again, ``fastdora.poetx.replay.SPLIT_BLOCKS = False``) against a trainable ``nn.Linear`` and a
+plain PyTorch POET-X written the straightforward way (``_poetx_plain.PlainPoetX``: blocks built with batched
+matmuls, separate gathers of the activations, autograd backward).
 
 Shapes 4096→4096, 4096→14336, 14336→4096; sequence 2048, batch 1 and 4; block sizes 256 and 512; bfloat16 activations
 and weight, float32 ``Q``. Each row: the median time of ``y = layer(x); y.backward(dy)`` (``triton.testing.do_bench``
@@ -45,7 +46,7 @@ BATCHES = [1, 4]
 SEQ = 2048
 BLOCKS = [256, 512]
 TINY = dict(shapes=[(64, 64), (64, 128), (128, 64)], batches=[1, 2], seq=16, blocks=[16, 32])
-VARIANTS = ["linear", "plain", "poetx-fast-torch", "poetx-fast", "poetx-mem"]
+VARIANTS = ["linear", "plain", "poetx-fast-torch", "poetx-fast", "poetx-fast-f32blocks", "poetx-mem"]
 
 
 def _layer(variant: str, weight: torch.Tensor, b: int) -> nn.Module:
@@ -104,6 +105,8 @@ def run(device: str, tiny: bool, variants: list) -> list:
                         continue  # nn.Linear has no block size: measured once per shape and batch
                     layer = _layer(variant, weight, b)
                     poetx_kernels.ENABLED = variant != "poetx-fast-torch"
+                    # "-f32blocks": the series writes float32 blocks that each block product splits again
+                    poetx_replay.SPLIT_BLOCKS = variant != "poetx-fast-f32blocks"
 
                     def step(layer=layer):
                         x.grad = None
@@ -124,7 +127,7 @@ def run(device: str, tiny: bool, variants: list) -> list:
                             peak_mb = None
                         ms = timer(step)
                     finally:
-                        poetx_kernels.ENABLED = True
+                        poetx_kernels.ENABLED = poetx_replay.SPLIT_BLOCKS = True
                     if variant == "linear":
                         base_ms = ms
                     rows.append(dict(d_in=d_in, d_out=d_out, batch=batch, seq=seq, block=b, variant=variant, ms=ms,
@@ -416,7 +419,7 @@ def run_series(device: str, tiny: bool) -> list:
     for n in ((4,) if tiny else (72, 1024)):
         packed = torch.randn(n, skew_size(b), device=device) * (0.3 / b ** 0.5)
         grad_g = torch.randn(n, b, b, device=device)
-        flop_fwd, flop_bwd = 2 * 2 * n * b ** 3, 6 * 2 * n * b ** 3  # two products forward, six backward
+        flop_fwd, flop_bwd = 2 * 2 * n * b ** 3, 5 * 2 * n * b ** 3  # two products forward, five backward
 
         def record(variant, fwd, bwd):
             ms_f, ms_b = timer(fwd), timer(bwd)
@@ -447,11 +450,10 @@ def run_series(device: str, tiny: bool) -> list:
                 s = torch.bmm(q, q)
                 return torch.baddbmm(eye + 2 * (q + s), s, s + 2 * q)
 
-            def bwd():  # the six products of the backward (fastdora.poetx.kernels._cayley3_backward)
+            def bwd():  # the five products of the backward (fastdora.poetx.kernels._cayley3_backward)
                 s = torch.bmm(q, q)
                 d_s = torch.baddbmm(torch.baddbmm(2 * grad_g, grad_g, s - 2 * q), s, grad_g)
-                return torch.baddbmm(torch.baddbmm(torch.baddbmm(2 * grad_g, s, grad_g, alpha=2), d_s, q, alpha=-1),
-                                     q, d_s, alpha=-1)
+                return torch.baddbmm(torch.baddbmm(2 * grad_g, s, grad_g, alpha=2), d_s + d_s.mT, q, alpha=-1)
 
             saved = torch.backends.cuda.matmul.allow_tf32
             torch.backends.cuda.matmul.allow_tf32 = tf32

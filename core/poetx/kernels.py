@@ -31,9 +31,10 @@ FMAs under the interpreter). The dense skew
 tiles. The default ``k = 3`` runs from ``Q`` and ``S = Q²`` (one launch for ``S``):
 
 - forward: ``G = I + 2Q + 2S + S·(S + 2Q)`` in one launch (the operand ``S + 2Q`` formed in the loads);
-- backward: ``∂L/∂S = 2Γ + Γ·(S − 2Q) + S·Γ`` in one launch (two products), then ``∂L/∂Q = 2Γ + 2·S·Γ −
-  (∂L/∂S)·Q − Q·(∂L/∂S)`` in one launch (three products; ``Sᵀ = S``, ``Qᵀ = −Q``), then the packing launch: five
-  launches per backward, three per forward.
+- backward: ``∂L/∂S = 2Γ + Γ·(S − 2Q) + S·Γ`` in one launch (two products), then ``D = 2Γ + 2·S·Γ − P·Q`` with ``P
+  = ∂L/∂S + (∂L/∂S)ᵀ`` formed in the loads (two products), whose packing ``D_ij − D_ji`` is that of ``∂L/∂Q = 2Γ +
+  2·S·Γ − (∂L/∂S)·Q − Q·(∂L/∂S)`` (``Sᵀ = S``, ``Qᵀ = −Q``; see :func:`_cayley3_backward`), then the packing
+  launch: five launches and products per backward, three launches per forward.
 
 Other ``k``, one launch per matrix product:
 
@@ -425,13 +426,17 @@ if AVAILABLE:
 
     @triton.jit
     def _cn_sum_kernel(
-        a1_ptr, b1_ptr, x1_ptr, a2_ptr, b2_ptr, a3_ptr, b3_ptr, z1_ptr, z2_ptr, out_ptr,
+        a1_ptr, b1_ptr, x1_ptr, a2_ptr, b2_ptr, a3_ptr, b3_ptr, z1_ptr, z2_ptr, out_ptr, lo_ptr,
         s1, c1, s2, s3, cz1, cz2, gamma,
-        B: tl.constexpr, NPROD: tl.constexpr, HAS_X1: tl.constexpr, HAS_Z2: tl.constexpr, PREC: tl.constexpr,
-        SOFT_BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+        B: tl.constexpr, NPROD: tl.constexpr, HAS_X1: tl.constexpr, HAS_Z2: tl.constexpr, SYM_A2: tl.constexpr,
+        PREC: tl.constexpr, SOFT_BF16: tl.constexpr, SPLIT: tl.constexpr, BLOCK_T: tl.constexpr,
+        BLOCK_K: tl.constexpr,
     ):
         # out[k] = s1·A1[k]·(B1[k] + c1·X1[k]) + s2·A2[k]·B2[k] + s3·A3[k]·B3[k] + cz1·Z1[k] + cz2·Z2[k] + gamma·I
-        # (the first NPROD products; X1 and Z2 only when flagged); all dense fp32 [n, B, B] blocks. One accumulator
+        # (the first NPROD products; X1 and Z2 only when flagged; SYM_A2: A2[k] + A2[k]ᵀ in place of A2[k], the
+        # transpose read in the loads); all dense fp32 [n, B, B] blocks. SPLIT: the fp32
+        # result is stored as two parts of out's half dtype instead, out = the result converted and lo = the
+        # remainder converted (the parts _mma forms from fp32 blocks in the block product). One accumulator
         # per product: the products are independent and overlap on the tensor cores (one shared accumulator, each A
         # tile scaled by its s, measured 25% slower: 19.9 against 15.9 ms per 8-layer step)
         EVEN: tl.constexpr = B % BLOCK_T == 0 and B % BLOCK_K == 0
@@ -453,8 +458,10 @@ if AVAILABLE:
                 bt += c1 * _cn_load(x1_ptr, b_offs, b_mask, EVEN)
             acc1 = _cn_dot(_cn_load(a1_ptr, a_offs, a_mask, EVEN), bt, acc1, PREC)
             if NPROD >= 2:
-                acc2 = _cn_dot(_cn_load(a2_ptr, a_offs, a_mask, EVEN), _cn_load(b2_ptr, b_offs, b_mask, EVEN), acc2,
-                               PREC)
+                a2 = _cn_load(a2_ptr, a_offs, a_mask, EVEN)
+                if SYM_A2:
+                    a2 += _cn_load(a2_ptr, dense + ks[None, :] * B + ri[:, None], a_mask, EVEN)
+                acc2 = _cn_dot(a2, _cn_load(b2_ptr, b_offs, b_mask, EVEN), acc2, PREC)
             if NPROD >= 3:
                 acc3 = _cn_dot(_cn_load(a3_ptr, a_offs, a_mask, EVEN), _cn_load(b3_ptr, b_offs, b_mask, EVEN), acc3,
                                PREC)
@@ -469,7 +476,16 @@ if AVAILABLE:
         if HAS_Z2:
             acc += cz2 * _cn_load(z2_ptr, offs, mask, EVEN)
         acc += tl.where(ri[:, None] == cj[None, :], gamma, 0.0)
-        if EVEN:
+        if SPLIT:
+            hi = acc.to(out_ptr.dtype.element_ty)
+            lo = (acc - hi.to(tl.float32)).to(out_ptr.dtype.element_ty)
+            if EVEN:
+                tl.store(out_ptr + offs, hi)
+                tl.store(lo_ptr + offs, lo)
+            else:
+                tl.store(out_ptr + offs, hi, mask=mask)
+                tl.store(lo_ptr + offs, lo, mask=mask)
+        elif EVEN:
             tl.store(out_ptr + offs, _cast_to(acc, out_ptr, SOFT_BF16))
         else:
             tl.store(out_ptr + offs, _cast_to(acc, out_ptr, SOFT_BF16), mask=mask)
@@ -589,12 +605,15 @@ def rotate(
     out_dtype: Optional[torch.dtype] = None,
     split: Optional[tuple] = None,
     out: Optional[torch.Tensor] = None,
+    lo: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """:func:`fastdora.poetx.ops.rotate` (same arguments and result) in one launch, the permutation fused into the
     loads and stores; ``perm=None``: the identity (blocks of contiguous features, unit-stride loads and stores).
     ``split``: :func:`split_blocks` of float32 ``blocks`` in ``t``'s half dtype (the same products, read instead of
-    formed in each program). ``out``: a contiguous ``[N, d]`` tensor of the result dtype to write into (for 2-D
-    ``t``)."""
+    formed in each program). ``lo``: ``blocks`` is then the high part of the blocks in ``t``'s half dtype and ``lo``
+    the low part (:func:`split_blocks` of float32 blocks, or :func:`cayley_forward`'s ``split``): the same products
+    without a float32 copy of the blocks. ``out``: a contiguous ``[N, d]`` tensor of the result dtype to write into
+    (for 2-D ``t``)."""
     n_blocks, b = blocks.shape[0], blocks.shape[-1]
     t2 = _rows(t)
     n_rows, d = t2.shape
@@ -611,8 +630,13 @@ def rotate(
     n_ctiles = _cdiv(b, block_c)
     grid = (n_blocks // per_prog * n_ctiles, _cdiv(n_rows, block_m))
     with _device_ctx(t):
-        presplit = split is not None and _parts(t.dtype, g.dtype) == 2
-        hi, lo = (split[0].contiguous(), split[1].contiguous()) if presplit else (g, g)
+        if lo is not None:
+            if not (t.dtype in _HALF and g.dtype == lo.dtype == t.dtype and lo.shape == g.shape):
+                raise ValueError("rotate: with lo, blocks and lo are the two parts in the activations' half dtype")
+            presplit, hi, lo = True, g, lo.contiguous()
+        else:
+            presplit = split is not None and _parts(t.dtype, g.dtype) == 2
+            hi, lo = (split[0].contiguous(), split[1].contiguous()) if presplit else (g, g)
         _ROTATE(grid, (t2, perm, hi, lo, bias_t, out), (n_rows, t2.stride(0), out.stride(0), n_ctiles, per_prog), (),
                 # B, TRANSPOSE, HAS_BIAS, PARTS, UPCAST, SOFT_BF16, GATHER, BLOCK_M, BLOCK_C, BLOCK_K, PRESPLIT
                 (b, bool(transpose), bias is not None, _parts(t.dtype, g.dtype), not t.is_cuda, not t.is_cuda, gather,
@@ -673,6 +697,11 @@ def block_outer(a: torch.Tensor, b: torch.Tensor, perm: Optional[torch.Tensor], 
         result = torch.empty(blocks.shape, dtype=blocks.dtype, device=blocks.device)
     if n_split > 1 and partial is None:
         partial = torch.empty((n_split, *blocks.shape), dtype=torch.float32, device=blocks.device)
+    elif n_split > 1 and (partial.shape != (n_split, *blocks.shape) or partial.dtype != torch.float32
+                          or not partial.is_contiguous()):
+        raise ValueError(f"block_outer splits {n_rows} tokens {n_split} ways for blocks of shape "
+                         f"{tuple(blocks.shape)}: partial must be a contiguous float32 tensor of shape "
+                         f"{(n_split, *blocks.shape)}, got {partial.dtype} {tuple(partial.shape)}")
     dest = result if n_split == 1 else partial
     with _device_ctx(a):
         _OUTER((tiles, n_split), (a2, b2, perm, dest),
@@ -709,20 +738,22 @@ def _cn_step(a, b, q, v, out, size, *, sign=1.0, beta=0.0, gamma=0.0, nv=0, prec
     return out
 
 
-def _cn_sum(out, size, prods, *, z1, cz1=1.0, z2=None, cz2=0.0, gamma=0.0, prec=None):
+def _cn_sum(out, size, prods, *, z1, cz1=1.0, z2=None, cz2=0.0, gamma=0.0, prec=None, lo=None, sym_a2=False):
     """One launch of :func:`_cn_sum_kernel`: ``prods`` is a list of up to three ``(scale, A, B)`` (the first may be
-    ``(scale, A, B, X, c)`` for ``A·(B + c·X)``); every tensor dense fp32 ``[n, b, b]``."""
+    ``(scale, A, B, X, c)`` for ``A·(B + c·X)``; ``sym_a2``: the second is ``(A + Aᵀ)·B``); every tensor dense fp32
+    ``[n, b, b]``, except with ``lo``: then ``out`` and ``lo`` (half, one dtype) receive the result's two parts."""
     n_blocks = out.shape[0]
     block_t, block_k, n_tiles, warps, stages = _cn_tiles(size)
     first = prods[0]
     x1, c1 = (first[3], first[4]) if len(first) == 5 else (first[2], 0.0)
     pad = [(0.0, first[1], first[2])] * (3 - len(prods))
     (s1, a1, b1), (s2, a2, b2), (s3, a3, b3) = [p[:3] for p in prods] + pad
-    _CN_SUM((n_blocks * n_tiles * n_tiles,), (a1, b1, x1, a2, b2, a3, b3, z1, z1 if z2 is None else z2, out), (),
+    _CN_SUM((n_blocks * n_tiles * n_tiles,),
+            (a1, b1, x1, a2, b2, a3, b3, z1, z1 if z2 is None else z2, out, out if lo is None else lo), (),
             (float(s1), float(c1), float(s2), float(s3), float(cz1), float(cz2), float(gamma)),
-            # B, NPROD, HAS_X1, HAS_Z2, PREC, SOFT_BF16, BLOCK_T, BLOCK_K
-            (size, len(prods), len(first) == 5, z2 is not None, _cn_precision(out, prec), not out.is_cuda, block_t,
-             block_k), warps, stages)
+            # B, NPROD, HAS_X1, HAS_Z2, SYM_A2, PREC, SOFT_BF16, SPLIT, BLOCK_T, BLOCK_K
+            (size, len(prods), len(first) == 5, z2 is not None, sym_a2, _cn_precision(z1, prec), not out.is_cuda,
+             lo is not None, block_t, block_k), warps, stages)
     return out
 
 
@@ -756,15 +787,23 @@ WORK_FORWARD, WORK_BACKWARD = 2, 4
 
 def cayley_forward(packed: torch.Tensor, block_size: int, terms: int,
                    second: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
-                   work: Optional[torch.Tensor] = None, precision: Optional[str] = None) -> torch.Tensor:
+                   work: Optional[torch.Tensor] = None, precision: Optional[str] = None,
+                   split: Optional[tuple] = None):
     """``G = I + 2(Q + … + Qᵏ) + Qᵏ⁺¹`` (``[n_blocks, b, b]`` in ``packed``'s dtype) from the packed skew ``Q``; fp32
     products, one rounding to ``packed``'s dtype. ``second``: more packed blocks of the same dtype, whose ``G`` follow
     (the two sides of a layer in one set of launches, without concatenating them). ``out``: a contiguous tensor of
     the result's shape and dtype to write into; ``work``: at ``k = 3``, a contiguous float32 ``[WORK_FORWARD, n_blocks,
     b, b]`` tensor for the temporaries (``Q``, ``Q²``); ``precision``: the products' on the GPU (default
-    :data:`CAYLEY_PRECISION`; a merge passes :data:`MERGE_PRECISION`)."""
+    :data:`CAYLEY_PRECISION`; a merge passes :data:`MERGE_PRECISION`). ``split``: at ``k = 3`` with float32
+    ``packed``, a pair ``(hi, lo)`` of contiguous ``[n_blocks, b, b]`` tensors of one half dtype that receive ``G``
+    as the two parts :func:`rotate` multiplies by (:func:`split_blocks`) instead of ``G`` itself (returned; ``out``
+    unused)."""
     packed, second, n_blocks = _packed_pair(packed, second)
     b = block_size
+    if split is not None:
+        if terms != 3 or packed.dtype != torch.float32:
+            raise ValueError("cayley_forward writes split blocks for float32 packed values at terms=3 only")
+        out, lo = split
     if out is None:
         out = torch.empty((n_blocks, b, b), dtype=packed.dtype, device=packed.device)
     if n_blocks == 0:
@@ -775,7 +814,9 @@ def cayley_forward(packed: torch.Tensor, block_size: int, terms: int,
         p = precision
         if terms == 3:  # from Q and S = Q²: G = I + 2Q + 2S + S·(S + 2Q), two launches after the unpack
             sq = _cn_step(q, q, q, None, torch.empty_like(q) if work is None else work[1], b, prec=p)
-            return _cn_sum(out, b, [(1.0, sq, sq, q, 2.0)], z1=sq, cz1=2.0, z2=q, cz2=2.0, gamma=1.0, prec=p)
+            _cn_sum(out, b, [(1.0, sq, sq, q, 2.0)], z1=sq, cz1=2.0, z2=q, cz2=2.0, gamma=1.0, prec=p,
+                    lo=None if split is None else lo)
+            return out if split is None else split
         if terms == 1:
             return _cn_step(q, q, q, None, out, b, beta=2.0, gamma=1.0, prec=p)  # G = Q·Q + 2Q + I
         h = _cn_step(q, q, q, None, torch.empty_like(q), b, beta=2.0, gamma=2.0, prec=p)  # H = Q·Q + 2Q + 2I
@@ -818,14 +859,16 @@ def cayley_backward(packed: torch.Tensor, grad_g: torch.Tensor, block_size: int,
 
 
 def _cayley3_backward(q: torch.Tensor, grad: torch.Tensor, b: int, work: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The dense ``∂L/∂Q`` of ``G = I + 2Q + 2S + S·M`` (``S = Q²``, ``M = 2Q + S``) from ``Γ`` (dense fp32): with
-    ``Sᵀ = S`` and ``Qᵀ = −Q``, ``∂L/∂S = 2Γ + Γ·(S − 2Q) + S·Γ`` and ``∂L/∂Q = 2Γ + 2·S·Γ − (∂L/∂S)·Q − Q·(∂L/∂S)``:
-    three launches, six products (one per product of the Horner recurrence, in half its launches). ``work``: see
+    """A dense ``D`` whose packing ``D_ij − D_ji`` is ``∂L/∂θ`` for ``G = I + 2Q + 2S + S·M`` (``S = Q²``, ``M = 2Q +
+    S``) from ``Γ`` (dense fp32): with ``Sᵀ = S`` and ``Qᵀ = −Q``, ``∂L/∂S = 2Γ + Γ·(S − 2Q) + S·Γ`` and ``∂L/∂Q = 2Γ +
+    2·S·Γ − (∂L/∂S)·Q − Q·(∂L/∂S)``. Only ``∂L/∂Q``'s skew part reaches ``θ``: the skew part of ``∂L/∂S`` adds a
+    symmetric term, and with ``P = ∂L/∂S + (∂L/∂S)ᵀ``, ``P·Q + Q·P = X − Xᵀ`` (``X = P·Q``) packs as ``2X``; so ``D =
+    2Γ + 2·S·Γ − P·Q``: three launches, five products (one fewer than the Horner recurrence's six). ``work``: see
     :func:`cayley_backward` (``work[0]`` is ``q``)."""
     sq, d_s, w = (torch.empty_like(q) for _ in range(3)) if work is None else (work[1], work[2], work[3])
     sq = _cn_step(q, q, q, None, sq, b)
     d_s = _cn_sum(d_s, b, [(1.0, grad, sq, q, -2.0), (1.0, sq, grad)], z1=grad, cz1=2.0)
-    return _cn_sum(w, b, [(2.0, sq, grad), (-1.0, d_s, q), (-1.0, q, d_s)], z1=grad, cz1=2.0)
+    return _cn_sum(w, b, [(2.0, sq, grad), (-1.0, d_s, q)], z1=grad, cz1=2.0, sym_a2=True)
 
 
 def _horner_backward(q: torch.Tensor, grad_g: torch.Tensor, b: int, k: int) -> torch.Tensor:

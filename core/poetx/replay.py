@@ -15,6 +15,11 @@ GPU tests compare them).
 A segment whose launches cannot be replayed (a launch through Triton's JIT, a temporary the launchers allocated
 themselves, an unaligned input) is recorded as such and runs its launchers every call. A replay runs only where
 :meth:`fastdora._launch.Replay.applies` (every tensor 16-byte aligned, no Triton launch hook such as a profiler's).
+With half-precision activations, float32 ``Q`` and the default series (``k = 3``) the series writes the blocks as the
+two half-precision parts the block products multiply by (:func:`fastdora.poetx.kernels.cayley_forward`'s ``split``),
+``[2, n, b, b]``, instead of float32 blocks that every block product would split again: the same products, and what
+"fast" mode keeps for the backward (the same bytes as the float32 blocks).
+
 Used by :func:`fastdora.poetx.ops.poetx_layer` for a dense weight, both ``Q`` receiving gradients (or none), the
 blocks computed inside the layer (no batched series), on the current CUDA device; :data:`ENABLED` = False turns it off.
 """
@@ -31,10 +36,12 @@ from .._launch import current_stream as _current_stream
 from .._launch import recording as _recording
 from . import kernels as _kernels
 
-__all__ = ["ENABLED", "applies", "forward", "backward", "clear"]
+__all__ = ["ENABLED", "SPLIT_BLOCKS", "applies", "forward", "backward", "clear"]
 
 #: False: every call runs the kernels' launchers (the same launches, more host time)
 ENABLED = True
+#: False: the series writes float32 blocks that each block product splits again (the same results; to compare)
+SPLIT_BLOCKS = True
 
 _MISSING = object()
 #: (segment, problem) -> Replay, or None where the segment's launches cannot be replayed
@@ -65,7 +72,7 @@ def _settings() -> tuple:
     """What the launchers' choices depend on besides the tensors: the kernels' tile and precision settings."""
     k = _kernels
     return (tuple(k.ROTATE_CONFIG.items()), tuple(k.OUTER_CONFIG.items()), tuple(k.GATHER_CONFIG.items()),
-            tuple(k.CAYLEY_CONFIG.items()), k.CAYLEY_PRECISION, k.SPLIT_PARTS)
+            tuple(k.CAYLEY_CONFIG.items()), k.CAYLEY_PRECISION, k.SPLIT_PARTS, SPLIT_BLOCKS)
 
 
 def _segment(key: tuple, named: tuple, run: Callable[[], None], stream: int) -> None:
@@ -90,21 +97,42 @@ def _problem(x2, weight, bias_p, q_in, q_out, block_size, terms) -> tuple:
             _settings())
 
 
+def _split(x2: torch.Tensor, q_in: torch.Tensor, terms: int) -> bool:
+    """The series writes the blocks as their two half-precision parts (see the module docstring)."""
+    return (SPLIT_BLOCKS and terms == 3 and q_in.dtype == torch.float32
+            and x2.dtype in (torch.bfloat16, torch.float16) and _kernels.SPLIT_PARTS == 2)
+
+
+def _rotate(t, g, k0, k1, **kwargs):
+    """:func:`fastdora.poetx.kernels.rotate` by the blocks ``k0:k1`` of ``g``: float32 blocks ``[n, b, b]`` or their
+    two half-precision parts ``[2, n, b, b]``."""
+    if g.dim() == 4:
+        return _kernels.rotate(t, None, g[0, k0:k1], lo=g[1, k0:k1], **kwargs)
+    return _kernels.rotate(t, None, g[k0:k1], **kwargs)
+
+
 def _front(problem, x2, q_in, q_out, perm_in, block_size, terms, stream):
-    """``(xp, z, g)``: the blocks of both sides ``g`` from one series, the gathered input ``xp`` and ``z = xp``
-    times the input-side blocks."""
+    """``(xp, z, g)``: the blocks of both sides ``g`` from one series (float32 ``[n, b, b]``, or their two parts in
+    ``x2``'s half dtype, ``[2, n, b, b]``), the gathered input ``xp`` and ``z = xp`` times the input-side blocks."""
     b, n_in = block_size, x2.shape[1] // block_size
     n = n_in + q_out.shape[0]
     device = x2.device
-    g = _empty((n, b, b), dtype=q_in.dtype, device=device)
+    split = _split(x2, q_in, terms)
+    if split:
+        g = _empty((2, n, b, b), dtype=x2.dtype, device=device)
+    else:
+        g = _empty((n, b, b), dtype=q_in.dtype, device=device)
     work = _empty((_kernels.WORK_FORWARD, n, b, b), dtype=torch.float32, device=device)
     xp = _empty(x2.shape, dtype=x2.dtype, device=device)
     z = _empty(x2.shape, dtype=x2.dtype, device=device)
 
     def run():
-        _kernels.cayley_forward(q_in, b, terms, q_out, out=g, work=work)
+        if split:
+            _kernels.cayley_forward(q_in, b, terms, q_out, work=work, split=(g[0], g[1]))
+        else:
+            _kernels.cayley_forward(q_in, b, terms, q_out, out=g, work=work)
         _kernels.gather(x2, perm_in, out=xp)
-        _kernels.rotate(xp, None, g[:n_in], out=z)
+        _rotate(xp, g, 0, n_in, out=z)
 
     _segment(("front", problem), (x2, q_in, q_out, perm_in, g, work, xp, z), run, stream)
     return xp, z, g
@@ -112,7 +140,8 @@ def _front(problem, x2, q_in, q_out, perm_in, block_size, terms, stream):
 
 def forward(x2, weight, bias_p, q_in, q_out, perm_in, inv_out, block_size, terms):
     """``(xp, up, y, g)`` of :func:`fastdora.poetx.ops._forward` with the blocks ``g`` of both sides from one series
-    (:func:`fastdora.poetx.kernels.cayley_forward`); ``inv_out``: the inverse output permutation (the scatter)."""
+    (:func:`fastdora.poetx.kernels.cayley_forward`; float32, or their two half-precision parts, see :func:`_front`);
+    ``inv_out``: the inverse output permutation (the scatter)."""
     problem = _problem(x2, weight, bias_p, q_in, q_out, block_size, terms)
     stream = _stream(x2)
     xp, z, g = _front(problem, x2, q_in, q_out, perm_in, block_size, terms, stream)
@@ -122,7 +151,7 @@ def forward(x2, weight, bias_p, q_in, q_out, perm_in, inv_out, block_size, terms
     y = _empty(up.shape, dtype=up.dtype, device=up.device)
 
     def run():
-        _kernels.rotate(up, None, g[n_in:], bias=bias_p, out=v)
+        _rotate(up, g, n_in, None, bias=bias_p, out=v)
         _kernels.gather(v, inv_out, out=y)
 
     named = (up, g, v, inv_out, y) if bias_p is None else (up, g, v, inv_out, y, bias_p)
@@ -139,19 +168,20 @@ def backward(gy, x2, xp, up, g, weight, q_in, q_out, perm_in, perm_out, inv_in, 
     if g is None:  # "mem": the series, the gathered input and the GEMM output again
         xp, z, g = _front(problem[:-1], x2, q_in, q_out, perm_in, block_size, terms, stream)
         up = F.linear(z, weight)
-    b, n_in = block_size, xp.shape[1] // block_size
+    b, n_in, n = block_size, xp.shape[1] // block_size, g.shape[-3]
     device, n_rows = gy.device, gy.shape[0]
     gyp = _empty(gy.shape, dtype=gy.dtype, device=device)
-    grad_g = _empty(g.shape, dtype=g.dtype, device=device)
+    grad_g = _empty((n, b, b), dtype=q_in.dtype, device=device)
     t = _empty(gy.shape, dtype=gy.dtype, device=device)
-    splits = _kernels.outer_splits(n_rows, g)
-    # the token split's fp32 partial sums (only where the block gradient splits the tokens: a function of the problem)
-    partial_out = _empty((splits, g.shape[0] - n_in, b, b), dtype=torch.float32, device=device) if splits > 1 else None
+    # the token split's fp32 partial sums of the output side's block gradient (only where it splits the tokens: a
+    # function of the problem), as many as block_outer splits that side's blocks into
+    splits = _kernels.outer_splits(n_rows, grad_g[n_in:])
+    partial_out = _empty((splits, n - n_in, b, b), dtype=torch.float32, device=device) if splits > 1 else None
 
     def run_out():
         _kernels.gather(gy, perm_out, out=gyp)
-        _kernels.block_outer(gyp, up, None, g[n_in:], out=grad_g[n_in:], partial=partial_out)
-        _kernels.rotate(gyp, None, g[n_in:], transpose=True, out=t)
+        _kernels.block_outer(gyp, up, None, grad_g[n_in:], out=grad_g[n_in:], partial=partial_out)
+        _rotate(gyp, g, n_in, None, transpose=True, out=t)
 
     named = (gy, perm_out, gyp, up, g, grad_g, t)
     if partial_out is not None:
@@ -162,16 +192,16 @@ def backward(gy, x2, xp, up, g, weight, q_in, q_out, perm_in, perm_out, inv_in, 
     if need_x:
         s = _empty(xp.shape, dtype=xp.dtype, device=device)
         grad_x = _empty(xp.shape, dtype=xp.dtype, device=device)
-    work = _empty((_kernels.WORK_BACKWARD, g.shape[0], b, b), dtype=torch.float32, device=device)
+    work = _empty((_kernels.WORK_BACKWARD, n, b, b), dtype=torch.float32, device=device)
     grad_q_in, grad_q_out = torch.empty_like(q_in), torch.empty_like(q_out)
     rows, cols = _kernels.triu_indices(b, device)
-    splits_in = _kernels.outer_splits(n_rows, g[:n_in])
+    splits_in = _kernels.outer_splits(n_rows, grad_g[:n_in])
     partial_in = _empty((splits_in, n_in, b, b), dtype=torch.float32, device=device) if splits_in > 1 else None
 
     def run_in():
-        _kernels.block_outer(gzp, xp, None, g[:n_in], out=grad_g[:n_in], partial=partial_in)
+        _kernels.block_outer(gzp, xp, None, grad_g[:n_in], out=grad_g[:n_in], partial=partial_in)
         if need_x:
-            _kernels.rotate(gzp, None, g[:n_in], transpose=True, out=s)
+            _rotate(gzp, g, 0, n_in, transpose=True, out=s)
             _kernels.gather(s, inv_in, out=grad_x)
         _kernels.cayley_backward(q_in, grad_g, b, terms, q_out, out=(grad_q_in, grad_q_out), work=work)
 

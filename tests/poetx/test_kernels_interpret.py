@@ -405,6 +405,29 @@ else:
         for k, e in zip(pair, K.cayley_backward(first, grad_g, b, terms, second)):
             torch.testing.assert_close(k, e, rtol=0, atol=0)
 
+    @pytest.mark.parametrize("half", [BF16, F16], ids=lambda v: str(v).replace("torch.", ""))
+    def test_series_writes_the_blocks_two_parts(half):
+        """``cayley_forward(split=...)`` writes the float32 blocks' two half-precision parts (``hi + lo`` within 16
+        significant bits of them), and :func:`rotate` by them (``lo=``) equals the product by the float32 blocks, bit
+        for bit (the parts are formed as the block product forms them: the interpreter's cast truncates where the GPU's
+        rounds, so they are compared through the products)."""
+        gen = torch.Generator().manual_seed(3)
+        b = 8
+        first, second = (torch.randn(n, skew_size(b), generator=gen) * 0.2 for n in (2, 3))
+        g = K.cayley_forward(first, b, 3, second)
+        hi, lo = torch.empty(5, b, b, dtype=half), torch.empty(5, b, b, dtype=half)
+        assert K.cayley_forward(first, b, 3, second, split=(hi, lo)) == (hi, lo)
+        # (+ float16's smallest subnormal step: the low part of a small block entry)
+        assert ((hi.double() + lo.double() - g.double()).abs() <= 2 ** -15 * g.double().abs() + 2 ** -24).all()
+        t = torch.randn(7, 5 * b, generator=gen).to(half)
+        for transpose in (False, True):
+            torch.testing.assert_close(K.rotate(t, None, hi, lo=lo, transpose=transpose),
+                                       K.rotate(t, None, g, transpose=transpose), rtol=0, atol=0)
+        with pytest.raises(ValueError, match="terms=3"):
+            K.cayley_forward(first, b, 2, split=(hi[:2], lo[:2]))
+        with pytest.raises(ValueError, match="two parts"):
+            K.rotate(t.float(), None, hi, lo=lo)
+
     LAYER_DTYPES = [(F32, F32), (BF16, F32), (F16, F32)]
     REL_ORACLE = {F32: 1e-6, BF16: 1e-2, F16: 2e-3}
 
@@ -452,7 +475,8 @@ else:
         """``poetx_layer`` through :mod:`fastdora.poetx.replay`'s segments (the launchers into its own tensors;
         under the interpreter nothing is replayed) and through the op's own path (``replay.ENABLED = False``):
         bitwise equal outputs and gradients, with 2500 tokens (the block gradients split over programs and summed by
-        a kernel) and without a gradient for x."""
+        a kernel) and without a gradient for x. With bfloat16 activations the segments' block products read the
+        blocks' two parts written by the series (float32 activations: the float32 blocks)."""
         from fastdora.poetx import replay
 
         case = _layer_case(16, 24, 8, 2500, dtype, F32, seed=7)
@@ -467,8 +491,19 @@ else:
             return y, x.grad, q_in.grad, q_out.grad
 
         replay.clear()
+        parts = []
+        rotate = K.rotate
+
+        def recording_rotate(*args, **kwargs):
+            parts.append(kwargs.get("lo") is not None)
+            return rotate(*args, **kwargs)
+
+        monkeypatch.setattr(K, "rotate", recording_rotate)
         with _counting("_SUM_SPLITS") as calls:
             got = run()
+        monkeypatch.setattr(K, "rotate", rotate)
+        # forward: 2; backward: 1, +1 for x's gradient, +1 in "mem" (the input side's product again)
+        assert parts == [dtype == BF16] * (3 + x_grad + (mode == "mem"))
         assert calls["_SUM_SPLITS"] == 2  # both sides' block gradients
         assert set(replay._REPLAYS) and all(v is None for v in replay._REPLAYS.values())  # nothing to replay here
         assert {k[0] for k in replay._REPLAYS} == {"front", "back", "grad_out", "grad_in"}
@@ -477,6 +512,37 @@ else:
         assert (got[1] is None) == (not x_grad)
         for name, g, r in zip(("output", "grad x", "grad q_in", "grad q_out"), got, ref):
             assert (g is None and r is None) or torch.equal(g, r), name
+
+    def test_layer_segments_split_each_side_as_its_blocks_need():
+        """The output side's block gradient splits its tokens over more programs than both sides' blocks together
+        would (fewer blocks, the same tokens): the segment sizes its partial sums by that side's own split, and the
+        layer equals the op path bit for bit. A partial-sum buffer of another size is refused, never overrun."""
+        from fastdora.poetx import replay
+
+        case = _layer_case(32, 16, 8, 4100, BF16, F32, seed=9)
+        b, stored = case["b"], case["weight"][case["perm_out"]][:, case["perm_in"]]
+        both, out_side = K.outer_splits(4100, torch.empty(6, b, b)), K.outer_splits(4100, torch.empty(2, b, b))
+        assert 1 < both < out_side
+
+        def run():
+            x = case["x"].clone().requires_grad_()
+            q_in, q_out = case["q_in"].clone().requires_grad_(), case["q_out"].clone().requires_grad_()
+            y = poetx_layer(x, stored, case["bias"], q_in, q_out, case["perm_in"], case["perm_out"], b, 3, "fast")
+            (y.double() * case["grad_y"]).sum().backward()
+            return y, x.grad, q_in.grad, q_out.grad
+
+        replay.clear()
+        got = run()
+        replay.ENABLED = False
+        try:
+            ref = run()
+        finally:
+            replay.ENABLED = True
+        for name, g, r in zip(("output", "grad x", "grad q_in", "grad q_out"), got, ref):
+            assert torch.equal(g, r), name
+        a = case["x"][:, :16].contiguous()
+        with pytest.raises(ValueError, match="partial must be"):
+            K.block_outer(a, a, None, torch.empty(2, b, b), partial=torch.empty(both, 2, b, b))
 
     def test_batched_series_through_the_kernels(monkeypatch):
         """A converted model's batched series (fastdora.poetx.batch) through the kernels, bfloat16 activations with
