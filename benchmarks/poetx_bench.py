@@ -486,14 +486,14 @@ def run_rotate(device: str, tiny: bool) -> list:
         w = torch.randn(d, b, device=device, dtype=torch.bfloat16)
         cases = [("gemm [N, d] x [d, b] (reference)", None, lambda: t @ w)]
         if poetx_kernels.applies(t, g):
-            split = poetx_kernels.split_blocks(g, t.dtype)
+            hi, lo = poetx_kernels.split_blocks(g, t.dtype)
             for cfg in ROTATE_TILES:
                 for transpose in (False, True):
                     cases.append((f"kernels {'T ' if transpose else ''}{cfg}", cfg,
                                   lambda transpose=transpose: poetx_kernels.rotate(t, None, g, transpose=transpose)))
                     cases.append((f"kernels {'T ' if transpose else ''}presplit {cfg}", cfg,
-                                  lambda transpose=transpose: poetx_kernels.rotate(t, None, g, transpose=transpose,
-                                                                                   split=split)))
+                                  lambda transpose=transpose: poetx_kernels.rotate(t, None, hi, transpose=transpose,
+                                                                                   lo=lo)))
             cases.append(("split_blocks (once per block set)", None,
                           lambda: poetx_kernels.split_blocks(g, t.dtype)))
         for name, cfg, fn in cases:

@@ -589,8 +589,8 @@ def _rotate_config(n_rows: int, b: int) -> tuple:
 def split_blocks(blocks: torch.Tensor, dtype: torch.dtype) -> tuple:
     """``(hi, lo)``: float32 ``blocks`` as two parts of the half ``dtype`` (``hi`` = the blocks rounded, ``lo`` = the
     remainder rounded), what :func:`rotate` multiplies by in its products with activations of that dtype
-    (``SPLIT_PARTS = 2``): given to :func:`rotate` as ``split``, the products read them instead of splitting the
-    float32 blocks in every program."""
+    (``SPLIT_PARTS = 2``): given to :func:`rotate` as ``blocks=hi, lo=lo``, the products read them instead of
+    splitting the float32 blocks in every program."""
     hi = blocks.to(dtype)
     return hi, (blocks - hi.to(blocks.dtype)).to(dtype)
 
@@ -603,17 +603,15 @@ def rotate(
     transpose: bool = False,
     bias: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
-    split: Optional[tuple] = None,
     out: Optional[torch.Tensor] = None,
     lo: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """:func:`fastdora.poetx.ops.rotate` (same arguments and result) in one launch, the permutation fused into the
     loads and stores; ``perm=None``: the identity (blocks of contiguous features, unit-stride loads and stores).
-    ``split``: :func:`split_blocks` of float32 ``blocks`` in ``t``'s half dtype (the same products, read instead of
-    formed in each program). ``lo``: ``blocks`` is then the high part of the blocks in ``t``'s half dtype and ``lo``
-    the low part (:func:`split_blocks` of float32 blocks, or :func:`cayley_forward`'s ``split``): the same products
-    without a float32 copy of the blocks. ``out``: a contiguous ``[N, d]`` tensor of the result dtype to write into
-    (for 2-D ``t``)."""
+    ``lo``: ``blocks`` is then the high part of the blocks in ``t``'s half dtype and ``lo`` the low part
+    (:func:`split_blocks` of float32 blocks, or :func:`cayley_forward`'s ``split``): the same products as with the
+    float32 blocks, read instead of formed in each program. ``out``: a contiguous ``[N, d]`` tensor of the result
+    dtype to write into (for 2-D ``t``)."""
     n_blocks, b = blocks.shape[0], blocks.shape[-1]
     t2 = _rows(t)
     n_rows, d = t2.shape
@@ -630,14 +628,11 @@ def rotate(
     n_ctiles = _cdiv(b, block_c)
     grid = (n_blocks // per_prog * n_ctiles, _cdiv(n_rows, block_m))
     with _device_ctx(t):
-        if lo is not None:
-            if not (t.dtype in _HALF and g.dtype == lo.dtype == t.dtype and lo.shape == g.shape):
-                raise ValueError("rotate: with lo, blocks and lo are the two parts in the activations' half dtype")
-            presplit, hi, lo = True, g, lo.contiguous()
-        else:
-            presplit = split is not None and _parts(t.dtype, g.dtype) == 2
-            hi, lo = (split[0].contiguous(), split[1].contiguous()) if presplit else (g, g)
-        _ROTATE(grid, (t2, perm, hi, lo, bias_t, out), (n_rows, t2.stride(0), out.stride(0), n_ctiles, per_prog), (),
+        presplit = lo is not None
+        if presplit and not (t.dtype in _HALF and g.dtype == lo.dtype == t.dtype and lo.shape == g.shape):
+            raise ValueError("rotate: with lo, blocks and lo are the two parts in the activations' half dtype")
+        lo = lo.contiguous() if presplit else g
+        _ROTATE(grid, (t2, perm, g, lo, bias_t, out), (n_rows, t2.stride(0), out.stride(0), n_ctiles, per_prog), (),
                 # B, TRANSPOSE, HAS_BIAS, PARTS, UPCAST, SOFT_BF16, GATHER, BLOCK_M, BLOCK_C, BLOCK_K, PRESPLIT
                 (b, bool(transpose), bias is not None, _parts(t.dtype, g.dtype), not t.is_cuda, not t.is_cuda, gather,
                  block_m, block_c, block_k, presplit), warps, stages)
