@@ -316,6 +316,10 @@ def run_host(device: str, tiny: bool, top: int = 30) -> list:
     host_ms_launchers = _without_replay(launched)  # the same steps, no launch replayed
     if device == "cuda":
         torch.cuda.synchronize()
+    host_ms_py_replay = _without_programs(lambda: (layer(x).backward(dy), launched())[1])  # replayed from Python
+    layer(x).backward(dy)  # the segments recorded again (with launch programs), outside what is measured below
+    if device == "cuda":
+        torch.cuda.synchronize()
     # the same steps with every kernel launched through Triton's JIT dispatch (no cached launch)
     launchers = [v for v in vars(poetx_kernels).values() if type(v).__name__ == "Launcher"]
     fast = [(lc, lc.fast) for lc in launchers]
@@ -339,13 +343,15 @@ def run_host(device: str, tiny: bool, top: int = 30) -> list:
     stats = pstats.Stats(prof)
     rows = sorted(((f"{fn[0].rsplit('/', 2)[-1]}:{fn[1]}({fn[2]})", st[2] / 20 * 1e3, st[3] / 20 * 1e3, st[1] / 20)
                    for fn, st in stats.stats.items()), key=lambda r: -r[1])[:top]
-    print(f"--- host time per fwd+bwd (no sync): {host_ms:.3f} ms ({host_ms_launchers:.3f} ms with no launch "
-          f"replayed, {host_ms_jit:.3f} ms with every kernel launched through Triton's JIT); functions by own time "
-          "per step (ms own, ms cumulative, calls):", flush=True)
+    print(f"--- host time per fwd+bwd (no sync): {host_ms:.3f} ms ({host_ms_py_replay:.3f} ms replayed from Python "
+          f"without launch programs, {host_ms_launchers:.3f} ms with no launch replayed, {host_ms_jit:.3f} ms with "
+          "every kernel launched through Triton's JIT); functions by own time per step (ms own, ms cumulative, "
+          "calls):", flush=True)
     for name, own, cum, calls in rows:
         print(f"   {own:8.3f} {cum:8.3f} {calls:6.1f}  {name}", flush=True)
     per_call = _host_per_call(device, tiny, layer, d, b)
-    return [dict(host_ms=host_ms, host_ms_launchers=host_ms_launchers, host_ms_jit_launch=host_ms_jit,
+    return [dict(host_ms=host_ms, host_ms_py_replay=host_ms_py_replay, host_ms_launchers=host_ms_launchers,
+                 host_ms_jit_launch=host_ms_jit,
                  functions=[list(r) for r in rows],
                  per_call_us=per_call)]
 
@@ -357,6 +363,18 @@ def _without_replay(fn):
         return fn()
     finally:
         poetx_replay.ENABLED = saved
+
+
+def _without_programs(fn):
+    """``fn()`` with the replayed launches made one by one from Python (``fastdora.poetx.replay.PROGRAMS`` off; the
+    segments recorded again, before and after)."""
+    saved, poetx_replay.PROGRAMS = poetx_replay.PROGRAMS, False
+    poetx_replay.clear()
+    try:
+        return fn()
+    finally:
+        poetx_replay.PROGRAMS = saved
+        poetx_replay.clear()
 
 
 def _host_per_call(device: str, tiny: bool, layer, d: int, b: int) -> dict:

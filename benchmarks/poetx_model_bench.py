@@ -35,6 +35,8 @@ and what the paper compares):
   ``batch.ENABLED = True``), beside the default (every layer its own series), at full depth in both plans.
 - ``-launchers``: fast mode with every kernel launch made through its launcher (``fastdora.poetx.replay.ENABLED =
   False``), beside the default (each layer's launches recorded once and replayed), at full depth in both plans.
+- ``-py-replay``: fast mode with the replayed launches made one by one through each kernel's compiled Triton
+  launcher from Python (``fastdora.poetx.replay.PROGRAMS = False``) instead of one C++ launch program per segment.
 - ``-tf32x3``: fast mode with the Cayley–Neumann products of the training step in 3xTF32
   (``fastdora.poetx.kernels.CAYLEY_PRECISION``), beside the default (bf16x3), at full depth in both plans.
 - extra rows (the plan's tail): ``-qbf16``: Q and its moments in bf16 (as the paper's public implementation keeps
@@ -43,9 +45,9 @@ and what the paper compares):
   activations: expected not to fit 141 GB at full depth; an OOM is recorded as a result).
 
 Plan ``h200`` (priority order; ``--budget-s`` drops the tail): 1. full depth (32 layers): AdamW, POET-X fast / mem /
-int8 at b=256, LoRA r=160 (the targets), POET-X fast ``-batched``, ``-launchers`` and ``-tf32x3``; 2. full depth:
-POET-X fast / mem / int8 at b=512; 3. ``--layers`` (8) decoder layers: the same eight configs (the per-layer cost,
-with the embeddings' share smaller); 4. full depth: the extra rows. Plan ``targets``: block 1 alone.
+int8 at b=256, LoRA r=160 (the targets), POET-X fast ``-batched``, ``-launchers``, ``-py-replay`` and ``-tf32x3``;
+2. full depth: POET-X fast / mem / int8 at b=512; 3. ``--layers`` (8) decoder layers: the same eight configs (the
+per-layer cost, with the embeddings' share smaller); 4. full depth: the extra rows. Plan ``targets``: block 1 alone.
 
 Targets (full depth, b=256, the paper's ratios on an H100): POET-X mem peak <= 0.37x AdamW's, fast <= 0.43x,
 fast tokens/s >= 0.85x AdamW's (the paper measured ~0.76x). The b=512 rows are checked against the same thresholds
@@ -105,7 +107,7 @@ def config_name(c: dict) -> str:
     kind = "int8" if c.get("weight_format") == "int8" else c["mode"]
     return (f"poetx-{kind}-b{c['block']}" + ("-qbf16" if c.get("q_dtype") == "bf16" else "")
             + ("-batched" if c.get("series") == "batched" else "")
-            + ("-launchers" if c.get("launch") == "launchers" else "")
+            + (f"-{c['launch']}" if c.get("launch") else "")
             + (f"-{c['series_precision']}" if c.get("series_precision") else ""))
 
 
@@ -126,6 +128,7 @@ def plan_configs(plan: str, shape: str, layers: int) -> list:
     cfgs = [dict(method="adamw", layers=full)] + block(b0, full) + [dict(method="lora", rank=rank, layers=full)]
     cfgs += [poetx(b0, "fast", full, series="batched")]  # the batched series, side by side
     cfgs += [poetx(b0, "fast", full, launch="launchers")]  # every launch through its launcher, side by side
+    cfgs += [poetx(b0, "fast", full, launch="py-replay")]  # replayed from Python, no C++ launch programs
     cfgs += [poetx(b0, "fast", full, series_precision="tf32x3")]  # the series' products in 3xTF32, side by side
     if plan == "h200":
         cfgs += block(b1, full)
@@ -219,6 +222,9 @@ def setup_method(model, c: dict, a, dev):
     batch.ENABLED = c.get("series") == "batched"
     # "-launchers": every kernel launch through its launcher, none replayed (fastdora.poetx.replay off)
     replay.ENABLED = c.get("launch") != "launchers"
+    # "-py-replay": replayed launches one by one through Triton's compiled launchers (no C++ launch programs)
+    replay.PROGRAMS = c.get("launch") != "py-replay"
+    replay.clear()
     # "-tf32x3" (a precision name): the series' products of a training step in that precision instead of the default
     default = _DEFAULTS.setdefault("series_precision", poetx_kernels.CAYLEY_PRECISION)
     poetx_kernels.CAYLEY_PRECISION = c.get("series_precision") or default

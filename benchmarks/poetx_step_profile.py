@@ -30,6 +30,7 @@ sys.path.insert(0, HERE)
 CONFIGS = {"adamw": dict(method="adamw"), "poetx-fast": dict(method="poetx", mode="fast"),
            "poetx-fast-batched": dict(method="poetx", mode="fast", series="batched"),
            "poetx-fast-launchers": dict(method="poetx", mode="fast", launch="launchers"),
+           "poetx-fast-py-replay": dict(method="poetx", mode="fast", launch="py-replay"),
            "poetx-fast-tf32x3": dict(method="poetx", mode="fast", series_precision="tf32x3"),
            "poetx-mem": dict(method="poetx", mode="mem")}
 

@@ -212,21 +212,30 @@ class Replay:
     :meth:`build` maps every pointer a recorded launch took to one of a list of *named* tensors (the sequence's
     inputs, outputs and temporaries, each allocated by the caller) and its byte offset there; a replay launches the
     same compiled kernels with the same grids and scalars, and pointers at the same offsets of the tensors named in
-    the same order, straight through each ``CompiledKernel``'s launcher: none of the launchers' Python, the same
-    kernels and arguments, so the same results bit for bit. The caller keys a replay by everything its launchers'
-    choices depend on (shapes, dtypes, flags, tile settings, device) and runs it only where :meth:`applies`.
+    the same order: the same kernels and arguments, so the same results bit for bit. The caller keys a replay by
+    everything its launchers' choices depend on (shapes, dtypes, flags, tile settings, device) and runs it only where
+    :meth:`applies`.
+
+    Where the C++ extension's launch programs run (:func:`fastdora._native.programs`: a verified Triton, the CUDA
+    driver), ``build(..., direct=True)`` also makes the sequence a launch program: one call into C++ per replay that
+    launches every kernel with ``cuLaunchKernel`` and the parameter bytes Triton's launcher would pass. It is kept
+    only if, on the recording's own tensors, it reproduces the recorded launches' results bit for bit (checked once
+    per build; a mismatch turns programs off for the process with a warning). Otherwise each launch goes through its
+    ``CompiledKernel``'s launcher, still without the launchers' Python.
     """
 
-    __slots__ = ("steps",)
+    __slots__ = ("steps", "program")
 
-    def __init__(self, steps: tuple):
+    def __init__(self, steps: tuple, program=None):
         self.steps = steps
+        self.program = program  # (run_program, capsule) or None
 
     @classmethod
-    def build(cls, recorded: list, named: tuple) -> Optional["Replay"]:
-        """The replay of ``recorded`` over ``named`` (the tensors it was recorded on), or None if it cannot be
-        replayed: a launch without a compiled entry, a pointer inside none of the named tensors, an unaligned
-        pointer (the kernels were specialised for 16-byte alignment), or no launch at all."""
+    def build(cls, recorded: list, named: tuple, direct: bool = False) -> Optional["Replay"]:
+        """The replay of ``recorded`` over ``named`` (the tensors it was recorded on, holding its results), or None
+        if it cannot be replayed: a launch without a compiled entry, a pointer inside none of the named tensors, an
+        unaligned pointer (the kernels were specialised for 16-byte alignment), or no launch at all. ``direct``: also
+        a launch program where they run (see the class docstring)."""
         spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in named]
         steps = []
         for rec in recorded:
@@ -243,7 +252,12 @@ class Replay:
                 slots.append((index, p - spans[index][0]))
             steps.append((compiled.run, function, packed, grid[0], grid[1], grid[2], tuple(slots),
                           (*ints, *floats, *consts)))
-        return cls(tuple(steps)) if steps else None
+        if not steps:
+            return None
+        replay = cls(tuple(steps))
+        if direct and not hooks_active() and not (named[0].is_cuda and capturing()):
+            replay.program = _program(recorded, replay, named)
+        return replay
 
     @staticmethod
     def applies(named: tuple) -> bool:
@@ -251,6 +265,55 @@ class Replay:
         return not (_reduce(_or, map(_data_ptr, named)) & 15) and not hooks_active()
 
     def __call__(self, named: tuple, stream: int) -> None:
+        program = self.program
+        if program is not None and program[0](program[1], named, stream):
+            return
         base = list(map(_data_ptr, named))
         for run, function, packed, g0, g1, g2, slots, tail in self.steps:
             run(g0, g1, g2, stream, function, packed, None, None, None, *[base[i] + off for i, off in slots], *tail)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN payloads included: temporaries may hold bytes no kernel wrote)."""
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def _program(recorded: list, replay: Replay, named: tuple) -> Optional[tuple]:
+    """``(run_program, capsule)``: ``replay``'s launches as a launch program of the C++ extension, verified on
+    ``named`` (holding the recorded launches' results) -- or None where programs do not run here or a launch's
+    parameter layout cannot be derived."""
+    from . import _native
+
+    mod = _native.programs()
+    if mod is None:
+        return None
+    steps = []
+    for rec, step in zip(recorded, replay.steps):
+        (compiled, _, _), grid, ptrs, ints, floats, consts = rec
+        slots = step[6]
+        values = (0,) * len(ptrs) + tuple(ints) + tuple(floats) + tuple(consts)
+        roles = tuple(range(len(ptrs))) + (_native.COPY,) * (len(ints) + len(floats) + len(consts))
+        layout = _native.native_layout(compiled, step[3:6], values, roles)
+        if layout is None:
+            return None
+        function, grid3, block, shared, p_roles, p_types, p_consts = layout
+        slot_of = tuple(slots[r][0] if t == ord("p") and r != _native.COPY else -1 for r, t in zip(p_roles, p_types))
+        value_of = tuple(slots[r][1] if t == ord("p") and r != _native.COPY else c
+                         for r, t, c in zip(p_roles, p_types, p_consts))
+        steps.append((function, grid3, block, shared, slot_of, value_of))
+    program = (mod.run_program, _native.program(len(named), tuple(steps)))
+    # the check: the recorded launches' results (in named now) again, from the program, bit for bit
+    before = [t.clone() for t in named]
+    if not program[0](program[1], named, _raw_stream(named[0].get_device()) if named[0].is_cuda else 0):
+        return None
+    if not all(map(_same_bits, before, named)):
+        import warnings
+
+        for t, b in zip(named, before):  # the caller's results are the launchers'
+            t.copy_(b)
+        why = "a launch program's results differed from Triton's launcher's on the same tensors"
+        _native.disable_programs(why)
+        warnings.warn(f"fastdora: {why}; Triton's launchers run instead (same results, more host time per launch)",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    return program

@@ -11,7 +11,8 @@ CORE = Path(__file__).resolve().parents[1] / "core"
 # layer of each module (by dotted name relative to the package); a module may import only from its own layer or below
 LAYERS = {
     "config": 0, "compat": 0, "stats": 0,
-    "_launch": 0,  # the cached Triton launcher both kernel sets use; imports only compat
+    "_launch": 0,  # the cached Triton launcher both kernel sets use; imports only compat and _native
+    "_native": 0,  # the C++ extension's build and the Triton launcher ABI of its direct launches; imports only config
     "_backward_window": 0,  # callbacks around the backward of a forward's outputs (slots, POET-X's batched series)
     "cache": 1,
     "poetx": 1,  # POET-X: its own math and autograd; may use only config / compat / stats / the layer-0 helpers
@@ -119,8 +120,9 @@ def test_kernels_are_a_leaf():
     graph = _graph()
     for name, deps in graph.items():
         if name.split(".")[0] == "kernels":
-            outside = sorted(d for d in deps if d.split(".")[0] not in ("kernels", "config", "compat", "_launch"))
-            assert not outside, f"{name} imports {outside}: kernels/ may use only config, compat and _launch"
+            outside = sorted(d for d in deps if d.split(".")[0] not in ("kernels", "config", "compat", "_launch",
+                                                                                 "_native"))
+            assert not outside, f"{name} imports {outside}: kernels/ may use only config, compat, _launch, _native"
 
 
 def test_poetx_is_independent_of_the_dora_modules():

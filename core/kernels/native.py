@@ -14,8 +14,8 @@ product, ``lora_A``, ``lora_B``, composition) as one node, called from ``fastdor
 bitwise the separate nodes' results, three saved activations under gradient checkpointing instead of six.
 
 **Direct launch and the Triton boundary.** Where the layout of a template's kernel parameters is known
-(``_native_layout``: Triton's ``CompiledKernel`` signature minus its constexprs, then the global and profile scratch
-pointers), the template also carries it and the node launches the kernel itself with the CUDA driver's
+(``fastdora._native.native_layout``: Triton's ``CompiledKernel`` signature minus its constexprs, then the global and
+profile scratch pointers), the template also carries it and the node launches the kernel itself with the CUDA driver's
 ``cuLaunchKernel`` (same function, grid, block, shared memory and parameter bytes as Triton's launcher), without
 calling into Python per launch. That layout is Triton's launcher ABI, which is not a public interface, so the direct
 launch is taken only
@@ -27,47 +27,34 @@ launch is taken only
   launcher from then on,
 - unless ``FASTDORA_NATIVE_LAUNCH=0``.
 
-The extension is compiled on first use with the C++ compiler against the installed torch's headers (no CUDA
-toolkit needed: the CUDA driver is opened at run time) and cached in ``FASTDORA_CACHE_DIR`` per source / torch /
-Triton / Python; ``FASTDORA_NATIVE`` (``auto`` | ``1`` | ``0``) decides whether it is used. ``status()`` says whether
-it is active and, if not, why.
+The extension (built and loaded by :mod:`fastdora._native`, which also holds the launch-layout derivation and the
+version allow-list) is compiled on first use; ``FASTDORA_NATIVE`` (``auto`` | ``1`` | ``0``) decides whether the node
+is used. ``status()`` says whether it is active and, if not, why.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.machinery
-import importlib.util
 import operator
-import os
-import struct
-import subprocess
 import sys
-import sysconfig
-import tempfile
 import threading
 import warnings
 from typing import Callable, Optional
 
 import torch
 
+from .. import _native
 from .. import config as _config
+from .._native import COPY, EPS, SCALE, STREAM, VERIFIED_TRITON, direct_launch_refusal  # noqa: F401 (re-exported)
+from .._native import native_layout as _native_layout
+from .._native import triton_version as _triton_version
 
 __all__ = ["node", "first_node", "status", "launch_status", "clear_templates", "register_fwd", "register_bwd",
            "set_fallbacks", "direct_launch_refusal", "VERIFIED_TRITON", "ROLES_FWD", "ROLES_BWD"]
 
-_MODULE = "fastdora_compose_node"
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "compose_node.cpp")
-
-#: Triton releases (major.minor) whose launcher ABI the direct launch was verified on (the GPU tests and the
-#: model-level benchmark on the H200). Add a version only after those pass on it.
-VERIFIED_TRITON = ("3.6",)
-
 # template argument roles (the enum of compose_node.cpp)
 ROLES_FWD = ("result", "lora", "bias", "magnitude", "norm", "y", "inner")  # codes 0..6
 ROLES_BWD = ("dy", "inner", "magnitude", "norm", "d_result", "d_lora", "part_dm", "dm", "counts")  # codes 10..18
-STREAM, SCALE, EPS, COPY = 30, 31, 32, -1
 
 _lock = threading.Lock()
 _state: dict = {"module": None, "tried": False, "reason": "not requested yet (first CUDA training composition)",
@@ -96,82 +83,6 @@ def launch_status() -> str:
     """How the active node launches its templates: ``"direct"`` (cuLaunchKernel from C++) or why through Triton's
     launcher."""
     return str(_state["launch"])
-
-
-def _triton_version() -> Optional[str]:
-    try:
-        import triton
-
-        return str(triton.__version__)
-    except Exception:  # pragma: no cover - no Triton: the node is not built (kernels/compose needs it)
-        return None
-
-
-def direct_launch_refusal(triton_version: Optional[str], setting: bool, cuda: bool) -> Optional[str]:
-    """Why the direct launch must not be used (None: it may, subject to the self-check)."""
-    if not setting:
-        return "FASTDORA_NATIVE_LAUNCH=0"
-    if not cuda:
-        return "no CUDA device"
-    if triton_version is None:
-        return "Triton's version is unknown"
-    major_minor = ".".join(triton_version.split("+")[0].split(".")[:2])
-    if major_minor not in VERIFIED_TRITON:
-        return (f"Triton {triton_version} is not among the versions the direct launch was verified on "
-                f"({', '.join(v + '.x' for v in VERIFIED_TRITON)})")
-    return None
-
-
-def _build_key(src: bytes) -> str:
-    h = hashlib.sha256(src)
-    for part in (torch.__version__, str(_triton_version()), sys.version,
-                 str(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", "")), sysconfig.get_config_var("EXT_SUFFIX") or ""):
-        h.update(part.encode())
-    return h.hexdigest()[:16]
-
-
-def _compile(src_path: str, out_path: str, cxx: str) -> None:
-    from torch.utils import cpp_extension
-
-    inc = list(cpp_extension.include_paths()) + [sysconfig.get_paths()["include"]]
-    libdir = os.path.join(os.path.dirname(torch.__file__), "lib")
-    abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
-    tmp_dir = os.path.dirname(out_path)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=tmp_dir)
-    os.close(fd)
-    cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-           "-DTORCH_API_INCLUDE_EXTENSION_H", f"-DTORCH_EXTENSION_NAME={_MODULE}"]
-    cmd += [f"-I{p}" for p in inc] + [src_path, "-o", tmp, f"-L{libdir}", "-lc10", "-ltorch", "-ltorch_cpu",
-                                      "-ltorch_python", f"-Wl,-rpath,{libdir}"]
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"compiling {src_path} failed ({cxx}, exit {res.returncode}): {res.stderr[-1500:]}")
-        os.replace(tmp, out_path)  # atomic: concurrent builders (one per rank) never see a partial file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _import(path: str):
-    loader = importlib.machinery.ExtensionFileLoader(_MODULE, path)
-    spec = importlib.util.spec_from_file_location(_MODULE, path, loader=loader)
-    mod = importlib.util.module_from_spec(spec)
-    loader.exec_module(mod)
-    return mod
-
-
-def _load():
-    """Build (once per source / torch / Triton / Python) and import the extension; returns the module."""
-    with open(_SOURCE, "rb") as f:
-        src = f.read()
-    cache, cxx = _config.native_build_env()
-    out_dir = os.path.join(cache, "compose_node", _build_key(src))
-    os.makedirs(out_dir, exist_ok=True)
-    out = os.path.join(out_dir, _MODULE + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
-    if not os.path.exists(out):
-        _compile(_SOURCE, out, cxx)
-    return _import(out)
 
 
 def _configure(mod) -> None:
@@ -276,7 +187,7 @@ def node(required: Optional[bool] = None):
         try:
             if not (kc._FWD.fast or kc._FWD.interpreted):
                 raise RuntimeError("this Triton's launcher is not supported by the template path")
-            mod = _load()
+            mod = _native.load()
             _configure(mod)
         except Exception as e:  # noqa: BLE001 - any build / import failure: the Python node, with the reason
             _state["reason"] = f"unavailable: {type(e).__name__}: {e}"
@@ -344,76 +255,6 @@ def _roles(tensors, named, base) -> Optional[tuple]:
         else:
             return None
     return tuple(out)
-
-
-# Triton signature type -> (direct-launch type code, struct format of a constant's bytes); pointers: "p"
-_PARAM_TYPES = {"i1": ("i", "<b"), "i8": ("i", "<b"), "i16": ("i", "<h"), "i32": ("i", "<i"), "i64": ("i", "<q"),
-                "u1": ("i", "<B"), "u8": ("i", "<B"), "u16": ("i", "<H"), "u32": ("i", "<I"), "u64": ("i", "<Q"),
-                "fp32": ("f", "<f"), "f32": ("f", "<f"), "fp64": ("d", "<d")}
-
-
-def _param_bytes(fmt: str, value) -> int:
-    """A constant parameter's bytes as Triton's launcher stores them, zero-padded to 8, as a little-endian int."""
-    return int.from_bytes(struct.pack(fmt, value).ljust(8, b"\0"), "little")
-
-
-def _native_layout(compiled, grid, values, roles) -> Optional[tuple]:
-    """The direct launch of ``compiled`` for a launch with the kernel's declared arguments ``values`` (their roles:
-    ``roles``): ``(function, grid, block, shared, param roles, param types, param constants)`` with the parameters
-    Triton's CUDA launcher passes (its signature's non-constexpr entries in order, then a null global-scratch and a
-    null profile-scratch pointer where the metadata has those sizes, as torch's StaticallyLaunchedCudaKernel reads
-    them); None where this launch needs more than that launcher's plain path (clusters, cooperative / PDL launches,
-    scratch memory, tensor descriptors, tuples, other types) or the layout cannot be derived."""
-    md = getattr(compiled, "metadata", None)
-    src = getattr(compiled, "src", None)
-    sig = getattr(src, "signature", None)
-    fn = getattr(src, "fn", None)
-    if md is None or not isinstance(sig, dict) or len(sig) != len(values) or fn is None:
-        return None
-    if (getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_cooperative_grid", False)
-            or getattr(md, "launch_pdl", False) or getattr(md, "global_scratch_size", 0)
-            or getattr(md, "profile_scratch_size", 0) or getattr(md, "tensordesc_meta", None)
-            or getattr(md, "instrumentation_mode", "")):  # instrumentation (e.g. gsan) adds parameters
-        return None
-    names = list(getattr(fn, "arg_names", ()))
-    const_idx = set()
-    for k in getattr(src, "constants", {}) or {}:
-        if isinstance(k, str):
-            if k not in names:
-                return None
-            const_idx.add(names.index(k))
-        elif isinstance(k, tuple) and len(k) == 1:
-            const_idx.add(k[0])
-        else:
-            return None  # a constant inside a tuple argument
-    p_roles, p_types, p_consts = [], [], []
-    for i, (ty, value, role) in enumerate(zip(sig.values(), values, roles)):
-        if ty == "constexpr":
-            continue
-        if i in const_idx or not isinstance(ty, str):
-            return None  # a specialised non-constexpr entry, or a tuple: not the plain layout
-        if ty.startswith("*"):
-            if role == COPY:
-                return None
-            p_roles.append(role), p_types.append("p"), p_consts.append(0)
-            continue
-        code_fmt = _PARAM_TYPES.get(ty)
-        if code_fmt is None:
-            return None
-        code, fmt = code_fmt
-        if role in (SCALE, EPS):
-            if code == "i":
-                return None
-            p_roles.append(role), p_types.append(code), p_consts.append(0)
-        elif role == COPY:
-            p_roles.append(COPY), p_types.append(code), p_consts.append(_param_bytes(fmt, value))
-        else:
-            return None
-    for size in ("global_scratch_size", "profile_scratch_size"):
-        if hasattr(md, size):
-            p_roles.append(COPY), p_types.append("p"), p_consts.append(0)
-    return (int(compiled.function), tuple(grid), 32 * int(md.num_warps), int(md.shared), tuple(p_roles),
-            "".join(p_types).encode(), tuple(p_consts))
 
 
 def _template(launcher, entry, grid, tensors, ints, floats, consts, num_warps, num_stages, maxnreg, roles):

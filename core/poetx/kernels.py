@@ -176,20 +176,28 @@ if AVAILABLE:
         return tl.dot(p, q, acc)
 
     @triton.jit
+    def _split2(x, dtype: tl.constexpr):
+        """``(hi, lo)``: an fp32 tile as two parts of the half ``dtype``, ``hi`` = x rounded and ``lo`` = the remainder
+        rounded (``x ≈ hi + lo``, 16 significant bits for bf16). The one split of every kernel here (the block
+        products' split of float32 blocks, the series' bf16x3 products, the series' split output), so the parts the
+        series stores are bit for bit those a block product would form from its float32 result."""
+        hi = x.to(dtype)
+        return hi, (x - hi.to(tl.float32)).to(dtype)
+
+    @triton.jit
     def _mma(a, g, acc, PARTS: tl.constexpr, UPCAST: tl.constexpr):
         """acc + a @ g. PARTS 0: float32 products of both operands; 1: one product in a's dtype (g has it); 2 / 3: g
         split into that many parts of a's half dtype (hi + lo [+ lo2]), one exact product each."""
         if PARTS == 0:
             return tl.dot(a.to(tl.float32), g.to(tl.float32), acc, input_precision="ieee")
         g32 = g.to(tl.float32)
-        hi = g32.to(a.dtype)
+        if PARTS == 1:
+            return _dot(a, g32.to(a.dtype), acc, UPCAST)
+        hi, mid = _split2(g32, a.dtype)
         acc = _dot(a, hi, acc, UPCAST)
-        if PARTS >= 2:
-            r = g32 - hi.to(tl.float32)
-            mid = r.to(a.dtype)
-            acc = _dot(a, mid, acc, UPCAST)
-            if PARTS >= 3:
-                acc = _dot(a, (r - mid.to(tl.float32)).to(a.dtype), acc, UPCAST)
+        acc = _dot(a, mid, acc, UPCAST)
+        if PARTS >= 3:
+            acc = _dot(a, (g32 - hi.to(tl.float32) - mid.to(tl.float32)).to(a.dtype), acc, UPCAST)
         return acc
 
     @triton.jit
@@ -381,10 +389,8 @@ if AVAILABLE:
         significant bits) and the three products ``hi·hi + hi·lo + lo·hi`` on the bf16 tensor cores (``lo·lo`` is
         below the parts' own rounding); otherwise Triton's ``input_precision`` ("ieee", "tf32", "tf32x3")."""
         if PREC == "bf16x3":
-            a_hi = a.to(tl.bfloat16)
-            a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
-            b_hi = b.to(tl.bfloat16)
-            b_lo = (b - b_hi.to(tl.float32)).to(tl.bfloat16)
+            a_hi, a_lo = _split2(a, tl.bfloat16)
+            b_hi, b_lo = _split2(b, tl.bfloat16)
             acc = tl.dot(a_lo, b_hi, acc)
             acc = tl.dot(a_hi, b_lo, acc)
             return tl.dot(a_hi, b_hi, acc)
@@ -477,8 +483,7 @@ if AVAILABLE:
             acc += cz2 * _cn_load(z2_ptr, offs, mask, EVEN)
         acc += tl.where(ri[:, None] == cj[None, :], gamma, 0.0)
         if SPLIT:
-            hi = acc.to(out_ptr.dtype.element_ty)
-            lo = (acc - hi.to(tl.float32)).to(out_ptr.dtype.element_ty)
+            hi, lo = _split2(acc, out_ptr.dtype.element_ty)
             if EVEN:
                 tl.store(out_ptr + offs, hi)
                 tl.store(lo_ptr + offs, lo)

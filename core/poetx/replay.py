@@ -15,6 +15,10 @@ GPU tests compare them).
 A segment whose launches cannot be replayed (a launch through Triton's JIT, a temporary the launchers allocated
 themselves, an unaligned input) is recorded as such and runs its launchers every call. A replay runs only where
 :meth:`fastdora._launch.Replay.applies` (every tensor 16-byte aligned, no Triton launch hook such as a profiler's).
+Where the C++ extension runs launch programs (:func:`fastdora._native.programs`: a verified Triton version, the CUDA
+driver; :data:`PROGRAMS`), a replayed segment is one call into C++ that launches all its kernels with
+``cuLaunchKernel`` (the parameter bytes Triton's launcher would pass; checked bitwise against the launchers' results
+when the segment is recorded); elsewhere each launch goes through its kernel's compiled Triton launcher.
 With half-precision activations, float32 ``Q`` and the default series (``k = 3``) the series writes the blocks as the
 two half-precision parts the block products multiply by (:func:`fastdora.poetx.kernels.cayley_forward`'s ``split``),
 ``[2, n, b, b]``, instead of float32 blocks that every block product would split again: the same products, and what
@@ -36,12 +40,16 @@ from .._launch import current_stream as _current_stream
 from .._launch import recording as _recording
 from . import kernels as _kernels
 
-__all__ = ["ENABLED", "SPLIT_BLOCKS", "applies", "forward", "backward", "clear"]
+__all__ = ["ENABLED", "SPLIT_BLOCKS", "PROGRAMS", "applies", "forward", "backward", "clear"]
 
 #: False: every call runs the kernels' launchers (the same launches, more host time)
 ENABLED = True
 #: False: the series writes float32 blocks that each block product splits again (the same results; to compare)
 SPLIT_BLOCKS = True
+#: False: replayed launches go one by one through each kernel's compiled Triton launcher instead of one C++ launch
+#: program per segment (:class:`fastdora._launch.Replay`; the same launches and results, more host time; takes
+#: effect for segments recorded after the change, see :func:`clear`)
+PROGRAMS = True
 
 _MISSING = object()
 #: (segment, problem) -> Replay, or None where the segment's launches cannot be replayed
@@ -84,7 +92,7 @@ def _segment(key: tuple, named: tuple, run: Callable[[], None], stream: int) -> 
             run()
         if len(_REPLAYS) > 4096:
             _REPLAYS.clear()
-        _REPLAYS[key] = _Replay.build(recorded, named)
+        _REPLAYS[key] = _Replay.build(recorded, named, direct=PROGRAMS)
     elif replay is not None and replay.applies(named):
         replay(named, stream)
     else:

@@ -29,11 +29,13 @@ def test_refusals_without_cuda_setting_or_version():
 
 
 def test_build_key_includes_tritons_version(monkeypatch):
-    monkeypatch.setattr(native, "_triton_version", lambda: "3.6.0")
-    a = native._build_key(b"src")
-    monkeypatch.setattr(native, "_triton_version", lambda: "3.9.0")
-    b = native._build_key(b"src")
-    assert a != b and native._build_key(b"src") == b
+    from fastdora import _native
+
+    monkeypatch.setattr(_native, "triton_version", lambda: "3.6.0")
+    a = _native._build_key(b"src")
+    monkeypatch.setattr(_native, "triton_version", lambda: "3.9.0")
+    b = _native._build_key(b"src")
+    assert a != b and _native._build_key(b"src") == b
 
 
 class _FakeNode:

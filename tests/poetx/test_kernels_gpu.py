@@ -216,15 +216,23 @@ def test_batched_series_equals_each_layers_own_series(monkeypatch):
         assert torch.equal(grad, out[1][2][name]), name
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["programs", "launchers"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
 @pytest.mark.parametrize("x_grad", [True, False], ids=["x-grad", "no-x-grad"])
 @pytest.mark.parametrize("mode", ["fast", "mem"])
-def test_layer_replay_equals_the_op_path(mode, x_grad, bias, monkeypatch):
+def test_layer_replay_equals_the_op_path(mode, x_grad, bias, direct, monkeypatch):
     """``poetx_layer`` with its launches recorded on the first call and replayed on later ones
     (:mod:`fastdora.poetx.replay`): every segment replayable, no launcher runs on the second call, outputs and
     gradients bitwise those of the op's own path (``replay.ENABLED = False``), at 3000 tokens (block gradients split
-    over programs) in bfloat16 with float32 Q."""
+    over programs) in bfloat16 with float32 Q. ``direct``: every segment a launch program of the C++ extension (on the
+    verified Triton versions), which alone launches the replayed calls; else each launch through Triton's launcher."""
+    from fastdora import _native
     from fastdora.poetx import replay
+
+    if direct and _native.direct_launch_refusal(_native.triton_version(), True, True) is not None:
+        pytest.skip(f"launch programs are not verified on Triton {_native.triton_version()}")
+    if not direct:
+        monkeypatch.setattr(_native, "programs", lambda: None)
 
     d_in, d_out, b, n = 4096, 1536, 256, 3000
     gen = torch.Generator(DEV).manual_seed(11)
@@ -250,12 +258,17 @@ def test_layer_replay_equals_the_op_path(mode, x_grad, bias, monkeypatch):
     assert {k[0] for k in replay._REPLAYS} == {"front", "back", "grad_out", "grad_in"}
     assert all(r is not None for r in replay._REPLAYS.values()), "a segment could not be replayed"
 
+    assert all((r.program is not None) == direct for r in replay._REPLAYS.values()), _native.programs_status()
+
     def no_launcher(*args, **kwargs):
         raise AssertionError("a launcher ran on a replayed call")
 
     with monkeypatch.context() as m:
         for name in ("gather", "rotate", "block_outer", "cayley_forward", "cayley_backward"):
             m.setattr(K, name, no_launcher)
+        if direct:  # the programs alone: no launch steps for Triton's launchers to fall back on
+            for r in replay._REPLAYS.values():
+                m.setattr(r, "steps", ())
         again = run()
     monkeypatch.setattr(replay, "ENABLED", False)
     ref = run()

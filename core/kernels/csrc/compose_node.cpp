@@ -31,8 +31,11 @@
 // through two edges to x, so that they are accumulated one at a time in the order of the separate nodes: outputs and
 // every gradient bitwise those of the separate nodes.
 //
+// Launch programs (at the end of this file): recorded Triton launch sequences -- POET-X's layer segments,
+// fastdora._launch.Replay -- launched directly from C++ in one call per sequence.
+//
 // Module functions (Python): configure(...), load_driver(), set_native_launch(on), register(...), clear(),
-// compose(...), dora_linear(...), stats().
+// compose(...), dora_linear(...), stats(), program(...), run_program(...).
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -258,9 +261,34 @@ bool native_ready(const Template& tp, const at::Tensor& on) {
   return g_driver.ctx_current(&ctx) == 0 && ctx != nullptr;
 }
 
-// Launch a template's kernel directly: its parameters as Triton's launcher packs them (pointers as device
-// addresses, fp32 scalars rounded from the double as a C cast does, constants as registered). Needs the GIL only
+// One direct launch (params: pointers to the parameters' bytes, `words` of them 8 bytes apart from `values`), or in
+// tests its record (function, grid, block, shared, stream, parameter bytes) appended to g_records. Needs the GIL only
 // in tests (the recorder).
+void direct_launch(uint64_t function, const unsigned* grid, unsigned block, unsigned shared, uint64_t stream,
+                   const uint64_t* values, void** params, size_t words) {
+  if (g_record) {
+    PyObject* rec = Py_BuildValue("(K(III)IIKy#)", static_cast<unsigned long long>(function), grid[0], grid[1],
+                                  grid[2], block, shared, static_cast<unsigned long long>(stream),
+                                  reinterpret_cast<const char*>(values), static_cast<Py_ssize_t>(words * 8));
+    if (!rec || PyList_Append(g_records, rec) < 0) {
+      Py_XDECREF(rec);
+      throw_py();
+    }
+    Py_DECREF(rec);
+    return;
+  }
+  const int rc = g_driver.launch(reinterpret_cast<void*>(function), grid[0], grid[1], grid[2], block, 1, 1, shared,
+                                 reinterpret_cast<void*>(stream), params, nullptr);
+  if (rc != 0) {
+    const char* msg = nullptr;
+    if (g_driver.error_string) g_driver.error_string(rc, &msg);
+    TORCH_CHECK(false, "fastdora native launch: cuLaunchKernel failed: ", msg ? msg : "unknown error", " (CUresult ",
+                rc, ")");
+  }
+}
+
+// Launch a template's kernel directly: its parameters as Triton's launcher packs them (pointers as device
+// addresses, fp32 scalars rounded from the double as a C cast does, constants as registered).
 void launch_native(const NativeLaunch& nl, const at::Tensor* by_role, double scale, double eps, uint64_t stream) {
   const size_t n = nl.roles.size();
   uint64_t slots[kMaxParams];
@@ -286,25 +314,7 @@ void launch_native(const NativeLaunch& nl, const at::Tensor* by_role, double sca
     slots[i] = v;
     params[i] = &slots[i];
   }
-  if (g_record) {
-    PyObject* rec = Py_BuildValue("(K(III)IIKy#)", static_cast<unsigned long long>(nl.function), nl.grid[0],
-                                  nl.grid[1], nl.grid[2], nl.block, nl.shared, static_cast<unsigned long long>(stream),
-                                  reinterpret_cast<const char*>(slots), static_cast<Py_ssize_t>(n * 8));
-    if (!rec || PyList_Append(g_records, rec) < 0) {
-      Py_XDECREF(rec);
-      throw_py();
-    }
-    Py_DECREF(rec);
-  } else {
-    const int rc = g_driver.launch(reinterpret_cast<void*>(nl.function), nl.grid[0], nl.grid[1], nl.grid[2], nl.block,
-                                   1, 1, nl.shared, reinterpret_cast<void*>(stream), params, nullptr);
-    if (rc != 0) {
-      const char* msg = nullptr;
-      if (g_driver.error_string) g_driver.error_string(rc, &msg);
-      TORCH_CHECK(false, "fastdora native node: cuLaunchKernel failed: ", msg ? msg : "unknown error", " (CUresult ",
-                  rc, ")");
-    }
-  }
+  direct_launch(nl.function, nl.grid, nl.block, nl.shared, stream, slots, params, n);
   ++g_fast;
   ++g_native;
 }
@@ -918,6 +928,118 @@ PyObject* py_dora_linear(PyObject*, PyObject* const* a, Py_ssize_t n) {
   END_HANDLE_TH_ERRORS
 }
 
+// ---------------------------------------------------------------------------------------------- launch programs
+//
+// A recorded sequence of Triton launches (fastdora._launch.Replay: POET-X's layer segments) launched from C++: per
+// step the kernel's function handle, grid, block, shared memory and parameter layout, each pointer parameter a byte
+// offset into one of the call's named tensors, every other parameter its recorded bytes -- the bytes Triton's
+// launcher passes for the same launch (fastdora._native.native_layout). One call from Python per segment instead of
+// one per launch, no argument parsing per launch.
+
+constexpr Py_ssize_t kMaxNamed = 64;
+constexpr const char* kProgram = "fastdora.launch_program";
+
+struct ProgramStep {
+  uint64_t function = 0;
+  unsigned grid[3] = {1, 1, 1};
+  unsigned block = 0;
+  unsigned shared = 0;
+  std::vector<int> slot;        // per parameter: the named tensor it points into, or -1 (a constant)
+  std::vector<uint64_t> value;  // per parameter: the byte offset into that tensor, or the constant's bytes
+};
+
+struct Program {
+  Py_ssize_t n_named = 0;
+  std::vector<ProgramStep> steps;
+};
+
+void program_free(PyObject* capsule) {
+  delete static_cast<Program*>(PyCapsule_GetPointer(capsule, kProgram));
+}
+
+// program(n_named, steps) -> capsule; each step (function, (gx, gy, gz), block, shared, slots, values)
+PyObject* py_program(PyObject*, PyObject* args) {
+  Py_ssize_t n_named;
+  PyObject* steps;
+  if (!PyArg_ParseTuple(args, "nO!", &n_named, &PyTuple_Type, &steps)) return nullptr;
+  if (n_named < 1 || n_named > kMaxNamed || PyTuple_GET_SIZE(steps) == 0) {
+    PyErr_SetString(PyExc_ValueError, "fastdora launch program: 1 to 64 named tensors and at least one step");
+    return nullptr;
+  }
+  auto prog = std::make_unique<Program>();
+  prog->n_named = n_named;
+  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(steps); ++k) {
+    ProgramStep st;
+    unsigned long long fn;
+    PyObject *slots, *values;
+    if (!PyArg_ParseTuple(PyTuple_GET_ITEM(steps, k), "K(III)IIO!O!", &fn, &st.grid[0], &st.grid[1], &st.grid[2],
+                          &st.block, &st.shared, &PyTuple_Type, &slots, &PyTuple_Type, &values))
+      return nullptr;
+    const Py_ssize_t n = PyTuple_GET_SIZE(slots);
+    if (n != PyTuple_GET_SIZE(values) || n > static_cast<Py_ssize_t>(kMaxParams) || st.block == 0) {
+      PyErr_Format(PyExc_ValueError, "fastdora launch program: bad step %zd", k);
+      return nullptr;
+    }
+    st.function = fn;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      const long slot = PyLong_AsLong(PyTuple_GET_ITEM(slots, i));
+      const unsigned long long v = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(values, i));
+      if (PyErr_Occurred()) return nullptr;
+      if (slot < -1 || slot >= n_named) {
+        PyErr_Format(PyExc_ValueError, "fastdora launch program: step %zd parameter %zd names tensor %ld of %zd", k,
+                     i, slot, n_named);
+        return nullptr;
+      }
+      st.slot.push_back(static_cast<int>(slot));
+      st.value.push_back(v);
+    }
+    prog->steps.push_back(std::move(st));
+  }
+  PyObject* capsule = PyCapsule_New(prog.get(), kProgram, program_free);
+  if (capsule) prog.release();
+  return capsule;
+}
+
+// run_program(program, named, stream) -> True, or False where nothing could be launched here (no CUDA driver or no
+// current context: the caller launches through Triton's launchers). named: the tensors, in the program's order.
+PyObject* py_run_program(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  HANDLE_TH_ERRORS
+  if (!n_args(n, 3, "run_program")) return nullptr;
+  const auto* prog = static_cast<const Program*>(PyCapsule_GetPointer(a[0], kProgram));
+  if (!prog) return nullptr;
+  if (!PyTuple_Check(a[1]) || PyTuple_GET_SIZE(a[1]) != prog->n_named) {
+    PyErr_Format(PyExc_ValueError, "fastdora launch program: expected a tuple of %zd tensors", prog->n_named);
+    return nullptr;
+  }
+  const uint64_t stream = PyLong_AsUnsignedLongLong(a[2]);
+  if (PyErr_Occurred()) return nullptr;
+  if (!g_record) {
+    void* ctx = nullptr;
+    if (!g_driver.ready() || g_driver.ctx_current(&ctx) != 0 || ctx == nullptr) Py_RETURN_FALSE;
+  }
+  uint64_t base[kMaxNamed];
+  for (Py_ssize_t i = 0; i < prog->n_named; ++i) {
+    PyObject* o = PyTuple_GET_ITEM(a[1], i);
+    if (!THPVariable_Check(o)) {
+      PyErr_SetString(PyExc_TypeError, "fastdora launch program: named entries must be tensors");
+      return nullptr;
+    }
+    base[i] = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(THPVariable_Unpack(o).data_ptr()));
+  }
+  uint64_t words[kMaxParams];
+  void* params[kMaxParams];
+  for (const ProgramStep& st : prog->steps) {
+    const size_t np = st.slot.size();
+    for (size_t i = 0; i < np; ++i) {
+      words[i] = st.slot[i] < 0 ? st.value[i] : base[st.slot[i]] + st.value[i];
+      params[i] = &words[i];
+    }
+    direct_launch(st.function, st.grid, st.block, st.shared, stream, words, params, np);
+  }
+  Py_RETURN_TRUE;
+  END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef methods[] = {
     {"configure", py_configure, METH_VARARGS,
      "configure(slow_fwd, slow_bwd, capturing, hooks_active, counters)"},
@@ -934,6 +1056,9 @@ PyMethodDef methods[] = {
      "compose(result, lora, magnitude, norm, bias, scale, eps, out_dtype, discard) -> y"},
     {"dora_linear", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_dora_linear)), METH_FASTCALL,
      "dora_linear(x, weight, bias, lora_a, lora_b, magnitude, norm, scale, eps, discard, dm_from_y) -> y"},
+    {"program", py_program, METH_VARARGS, "program(n_named, steps) -> a launch program (capsule)"},
+    {"run_program", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_run_program)), METH_FASTCALL,
+     "run_program(program, named, stream) -> True, or False where nothing could be launched here"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "fastdora_compose_node", nullptr, -1, methods};

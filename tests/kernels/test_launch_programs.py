@@ -1,0 +1,178 @@
+"""Launch programs of the C++ extension (``fastdora._native``, ``fastdora._launch.Replay(..., direct=True)``): a
+recorded launch sequence launched from C++ passes, per launch, exactly the parameters Triton's CUDA launcher would get
+from the Python replay of the same sequence; a program whose results differ from the launchers' on the recording's
+own tensors is dropped, the tensors keep the launchers' results and programs turn off with a warning.
+
+On CPU the extension records its direct launches instead of making them (``testing_record_native``); the expected
+parameters are written out here from the signature, independently of ``fastdora._native.native_layout``. The GPU
+tests of POET-X's replay (tests/poetx/test_kernels_gpu.py) compare real launches bitwise."""
+
+from __future__ import annotations
+
+import struct
+import types
+
+import pytest
+import torch
+
+from fastdora import _launch
+from fastdora import _native
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture(scope="module")
+def ext(tmp_path_factory):
+    """The extension (built once for this module where no other test built it)."""
+    import os
+
+    pytest.importorskip("triton")
+    old = os.environ.get("FASTDORA_CACHE_DIR")
+    os.environ["FASTDORA_CACHE_DIR"] = str(tmp_path_factory.mktemp("fastdora-cache"))
+    try:
+        try:
+            return _native.load()
+        except Exception as e:  # noqa: BLE001
+            pytest.skip(f"the C++ extension cannot be built here: {e}")
+    finally:
+        if old is None:
+            os.environ.pop("FASTDORA_CACHE_DIR", None)
+        else:
+            os.environ["FASTDORA_CACHE_DIR"] = old
+
+
+class _Compiled:
+    """A fake ``CompiledKernel``: the source's signature as Triton writes it (constexprs, and ints equal to 1, as
+    ``"constexpr"``), the launch metadata, the function handle, and a ``run`` that logs its arguments."""
+
+    def __init__(self, kinds, handle, warps=4, shared=2048, scratch=True):
+        names = [f"a{i}" for i in range(len(kinds))]
+        self.src = types.SimpleNamespace(fn=types.SimpleNamespace(arg_names=names), signature=dict(zip(names, kinds)),
+                                         constants={(i,): 0 for i, k in enumerate(kinds) if k == "constexpr"})
+        meta = dict(num_warps=warps, num_ctas=1, shared=shared, launch_cooperative_grid=False, launch_pdl=False)
+        if scratch:
+            meta.update(global_scratch_size=0, profile_scratch_size=0)
+        self.metadata = types.SimpleNamespace(**meta)
+        self.function = handle
+        self.calls: list = []
+
+    def run(self, *args):
+        self.calls.append(args)
+
+
+def _expected(kinds, run_args) -> bytes:
+    """Triton's CUDA launcher's parameter bytes for one ``CompiledKernel.run`` call: each non-constexpr signature
+    entry in order (a pointer's address, an int by its type, a float as fp32), 8 bytes per parameter, then the global
+    and profile scratch pointers (null)."""
+    fmt = {"i32": "<i", "i64": "<q", "fp32": "<f"}
+    out = b""
+    for kind, v in zip(kinds, run_args[9:]):
+        if kind == "constexpr":
+            continue
+        out += struct.pack("<Q", v) if kind.startswith("*") else struct.pack(fmt[kind], v).ljust(8, b"\0")
+    return out + b"\0" * 16
+
+
+def _sequence():
+    """Two launches over three named tensors (pointers at offsets inside them, an int equal to 1 among the ints)."""
+    a = torch.empty(64, dtype=torch.float32)
+    b = torch.empty(8, 16, dtype=torch.bfloat16)
+    c = torch.empty(4, 4, dtype=torch.int64)
+    k1 = ["*fp32", "*bf16", "*fp32", "i32", "constexpr", "i64", "fp32", "constexpr", "constexpr"]
+    k2 = ["*bf16", "*i64", "i32", "constexpr"]
+    c1, c2 = _Compiled(k1, 0xA1, warps=8, shared=4096), _Compiled(k2, 0xB2, warps=4, shared=0)
+    recorded = [((c1, c1.function, "packed1"), (3, 2, 1), (a.data_ptr(), b[4:].data_ptr(), a.data_ptr()),
+                 (64, 1, -(2**40)), (0.1,), (True, 32)),
+                ((c2, c2.function, "packed2"), (5, 1, 1), (b.data_ptr(), c[1:].data_ptr()), (7,), (), (16,))]
+    return (a, b, c), recorded, (c1, k1), (c2, k2)
+
+
+def _records(ext, replay, named, stream):
+    records: list = []
+    ext.testing_record_native(records)
+    try:
+        replay(named, stream)
+    finally:
+        ext.testing_record_native(None)
+    return records
+
+
+def test_program_passes_tritons_launcher_parameters(ext, monkeypatch):
+    monkeypatch.setattr(_native, "programs", lambda: ext)
+    named, recorded, (c1, k1), (c2, k2) = _sequence()
+    ext.testing_record_native([])  # the build's check launches nothing on CPU tensors: recorded only
+    try:
+        replay = _launch.Replay.build(recorded, named, direct=True)
+    finally:
+        ext.testing_record_native(None)
+    assert replay is not None and replay.program is not None
+    named2 = tuple(torch.empty_like(t) for t in named)
+    records = _records(ext, replay, named2, 77)
+    assert not c1.calls and not c2.calls  # nothing went through Triton's launchers
+    program, replay.program = replay.program, None  # the Python replay of the same sequence, for its arguments
+    replay(named2, 77)
+    replay.program = program
+    assert len(records) == 2 and len(c1.calls) == 1 and len(c2.calls) == 1
+    for rec, (compiled, kinds) in zip(records, ((c1, k1), (c2, k2))):
+        function, grid, block, shared, stream, params = rec
+        call = compiled.calls[0]
+        assert function == compiled.function and grid == tuple(call[:3]) and stream == 77 == call[3]
+        assert block == 32 * compiled.metadata.num_warps and shared == compiled.metadata.shared
+        assert params == _expected(kinds, call)
+    # the pointers are the second call's tensors at the recorded offsets
+    assert struct.unpack("<Q", records[0][5][8:16])[0] == named2[1].data_ptr() + 4 * 16 * 2
+    assert struct.unpack("<Q", records[1][5][8:16])[0] == named2[2].data_ptr() + 4 * 8
+
+
+def test_no_program_where_programs_do_not_run_or_the_layout_is_unknown(ext, monkeypatch):
+    named, recorded, _, _ = _sequence()
+    monkeypatch.setattr(_native, "programs", lambda: None)
+    assert _launch.Replay.build(recorded, named, direct=True).program is None
+    monkeypatch.setattr(_native, "programs", lambda: ext)
+    assert _launch.Replay.build(recorded, named).program is None  # not asked for
+    needs_scratch = _Compiled(["*fp32"], 0xC3)
+    needs_scratch.metadata.global_scratch_size = 256  # a kernel that needs scratch memory: Triton's launcher
+    rec = [((needs_scratch, 0xC3, "p"), (1, 1, 1), (named[0].data_ptr(),), (), (), ())]
+    assert _launch.Replay.build(rec, named, direct=True).program is None
+
+
+def test_program_with_other_results_is_dropped(ext, monkeypatch):
+    """A program that does not reproduce the recorded results: no program, the launchers' results restored in the
+    tensors, programs off for the process with the reason, and a warning."""
+    named, recorded, _, _ = _sequence()
+    named[0].fill_(1.5)
+
+    def wrong_run(program, tensors, stream):
+        tensors[0].fill_(2.5)
+        return True
+
+    fake = types.SimpleNamespace(run_program=wrong_run, program=lambda n, steps: "capsule")
+    monkeypatch.setattr(_native, "programs", lambda: fake)
+    monkeypatch.setattr(_native, "program", lambda n, steps: "capsule")
+    disabled = []
+    monkeypatch.setattr(_native, "disable_programs", disabled.append)
+    with pytest.warns(RuntimeWarning, match="launch program"):
+        replay = _launch.Replay.build(recorded, named, direct=True)
+    assert replay is not None and replay.program is None
+    assert torch.equal(named[0], torch.full_like(named[0], 1.5))
+    assert disabled and "differed" in disabled[0]
+
+
+def test_programs_decision_and_refusals(monkeypatch):
+    monkeypatch.setattr(_native.torch.cuda, "is_available", lambda: False)
+    _native.reset_programs()
+    try:
+        assert _native.programs() is None and _native.programs_status() == "no CUDA device"
+        assert _native.program(1, ((1, (1, 1, 1), 32, 0, (-1,), (0,)),)) is None
+    finally:
+        _native.reset_programs()
+
+
+def test_malformed_programs_are_refused(ext):
+    with pytest.raises(ValueError, match="names tensor 2 of 2"):
+        ext.program(2, ((1, (1, 1, 1), 32, 0, (0, 2), (0, 0)),))
+    with pytest.raises(ValueError, match="bad step"):
+        ext.program(1, ((1, (1, 1, 1), 0, 0, (0,), (0,)),))  # block 0
+    prog = ext.program(2, ((1, (1, 1, 1), 32, 0, (0, 1), (0, 0)),))
+    with pytest.raises(ValueError, match="tuple of 2 tensors"):
+        ext.run_program(prog, (torch.empty(1),), 0)
