@@ -307,37 +307,59 @@ class _PoetXLayer(torch.autograd.Function):
         need_x, _, _, need_bias, need_q_in, need_q_out = ctx.needs_input_grad[:6]
         if ctx.given:  # the gradient goes to the given blocks (both sides), not to the Q it was computed from
             need_q_in = need_q_out = ctx.needs_input_grad[12]
-        grad_x = grad_bias = grad_q_in = grad_q_out = grad_given = None
+        grad_bias = None
         with torch.autocast(grad_y.device.type, enabled=False):
             gy = grad_y.reshape(-1, weight.shape[0])
             if need_bias:
                 grad_bias = _grad_bias(gy, ctx.bias_dtype)
             x2 = None if x is None else x.reshape(-1, x.shape[-1])
-            if (need_q_in and need_q_out and not ctx.given and scales is None and not torch.is_grad_enabled()
-                    and (x2 is None or x2.is_contiguous()) and _replay.applies(gy, weight, q_in, q_out)):
-                # the same launches as below, replayed (fastdora.poetx.replay)
-                grad_x, grad_q_in, grad_q_out = _replay.backward(gy, x2, xp, up, g, weight, q_in, q_out, perm_in,
-                                                                 perm_out, _inverse(perm_in), ctx.block_size,
-                                                                 ctx.terms, need_x)
-            elif need_x or need_q_in or need_q_out:
-                if g is not None and g.dim() == 4:  # the blocks' two half-precision parts (the replayed forward)
-                    g = None
-                if g is None:
-                    g = _cayley.series(q_in, ctx.block_size, ctx.terms, q_out)
-                n_in = ctx.x_shape[-1] // ctx.block_size
-                grad_g = None
-                if need_q_in or need_q_out:  # a side without a gradient keeps zeros
-                    grad_g = torch.empty_like(g) if need_q_in and need_q_out else torch.zeros_like(g)
-                grad_x, _, _ = _backward(gy, x2, xp, up, weight, scales, ctx.rows, g[:n_in], g[n_in:], perm_in,
-                                         perm_out, need_x, need_q_in, need_q_out, _backward_kernels(gy, g), grad_g)
-                if grad_g is not None and ctx.given:
-                    grad_given = grad_g
-                elif grad_g is not None:
-                    grad_q_in, grad_q_out = _cayley.series_backward(q_in, grad_g, ctx.block_size, ctx.terms, q_out)
-                    grad_q_in, grad_q_out = grad_q_in if need_q_in else None, grad_q_out if need_q_out else None
+            grad_x, grad_q_in, grad_q_out, grad_given = _layer_backward(
+                gy, x2, xp, up, g, weight, scales, ctx.rows, q_in, q_out, perm_in, perm_out, None, ctx.block_size,
+                ctx.terms, need_x, need_q_in, need_q_out, ctx.given)
         if grad_x is not None:
             grad_x = grad_x.reshape(ctx.x_shape)
         return grad_x, None, None, grad_bias, grad_q_in, grad_q_out, None, None, None, None, None, None, grad_given
+
+
+def _layer_backward(gy, x2, xp, up, g, weight, scales, rows, q_in, q_out, perm_in, perm_out, inv_in, block_size, terms,
+                    need_x, need_q_in, need_q_out, given):
+    """``(∂L/∂x, ∂L/∂q_in, ∂L/∂q_out, ∂L/∂blocks)`` of :class:`_PoetXLayer` (2-D ``∂L/∂x``) from the 2-D output
+    gradient ``gy`` and what the forward saved, with autocast off: the replayed launches where they apply
+    (:mod:`fastdora.poetx.replay`), else the op's own path. ``given``: the blocks were the node's input (their gradient
+    is returned instead of the Q gradients). ``inv_in``: the inverse input permutation, or None (computed here)."""
+    grad_x = grad_q_in = grad_q_out = grad_given = None
+    if (need_q_in and need_q_out and not given and scales is None and not torch.is_grad_enabled()
+            and (x2 is None or x2.is_contiguous()) and _replay.applies(gy, weight, q_in, q_out)):
+        # the same launches as below, replayed (fastdora.poetx.replay)
+        grad_x, grad_q_in, grad_q_out = _replay.backward(gy, x2, xp, up, g, weight, q_in, q_out, perm_in, perm_out,
+                                                         _inverse(perm_in) if inv_in is None else inv_in, block_size,
+                                                         terms, need_x)
+    elif need_x or need_q_in or need_q_out:
+        if g is not None and g.dim() == 4:  # the blocks' two half-precision parts (the replayed forward)
+            g = None
+        if g is None:
+            g = _cayley.series(q_in, block_size, terms, q_out)
+        n_in = weight.shape[1] // block_size
+        grad_g = None
+        if need_q_in or need_q_out:  # a side without a gradient keeps zeros
+            grad_g = torch.empty_like(g) if need_q_in and need_q_out else torch.zeros_like(g)
+        grad_x, _, _ = _backward(gy, x2, xp, up, weight, scales, rows, g[:n_in], g[n_in:], perm_in, perm_out,
+                                 need_x, need_q_in, need_q_out, _backward_kernels(gy, g), grad_g)
+        if grad_g is not None and given:
+            grad_given = grad_g
+        elif grad_g is not None:
+            grad_q_in, grad_q_out = _cayley.series_backward(q_in, grad_g, block_size, terms, q_out)
+            grad_q_in, grad_q_out = grad_q_in if need_q_in else None, grad_q_out if need_q_out else None
+    return grad_x, grad_q_in, grad_q_out, grad_given
+
+
+def _node_backward(gy, x2, xp, up, g, weight, q_in, q_out, perm_in, perm_out, inv_in, block_size, terms, need_x,
+                   need_q_in, need_q_out):
+    """The C++ layer node's backward where it has no backward plan (:func:`fastdora.poetx.replay.node`): that of
+    :class:`_PoetXLayer` (dense weight, no bias, blocks from ``Q``)."""
+    with torch.autocast(gy.device.type, enabled=False):
+        return _layer_backward(gy, x2, xp, up, g, weight, None, None, q_in, q_out, perm_in, perm_out, inv_in,
+                               block_size, terms, need_x, need_q_in, need_q_out, False)[:3]
 
 
 def _check(x, weight, bias, g_in, g_out, perm_in, perm_out, mode, weight_scales, chunk_rows) -> None:
@@ -446,5 +468,12 @@ def poetx_layer(
     ``[d_in / b + d_out / b, b, b]`` tensor."""
     if blocks is not None:
         q_in = q_out = None
+    elif weight_scales is None and bias is None and q_in.requires_grad and q_out.requires_grad \
+            and torch.is_grad_enabled():
+        # a problem whose forward has a layer plan: the layer's autograd node in C++ (fastdora.poetx.replay.node)
+        y = _replay.node(x, weight, q_in, q_out, perm_in, perm_out, _inverse, block_size, terms, mode == "fast",
+                         _node_backward)
+        if y is not None:
+            return y
     return _PoetXLayer.apply(x, weight, weight_scales, bias, q_in, q_out, perm_in, perm_out, block_size, terms,
                              mode == "fast", rows, blocks)

@@ -174,5 +174,118 @@ def test_malformed_programs_are_refused(ext):
     with pytest.raises(ValueError, match="bad step"):
         ext.program(1, ((1, (1, 1, 1), 0, 0, (0,), (0,)),))  # block 0
     prog = ext.program(2, ((1, (1, 1, 1), 32, 0, (0, 1), (0, 0)),))
-    with pytest.raises(ValueError, match="tuple of 2 tensors"):
+    with pytest.raises(ValueError, match="run_program: expected a tuple of 2 tensors"):
         ext.run_program(prog, (torch.empty(1),), 0)
+
+
+def test_layer_plan_runs_its_steps_in_order(ext):
+    """A layer plan (``plan`` / ``run_plan``): allocations on the first input's device, ``at::linear`` /
+    ``at::matmul`` with autocast off, a launch program over its slots' tensors (recorded here: CPU), the outputs by
+    slot; without a CUDA driver and context (and no recorder) it runs nothing and returns None."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 4, generator=gen), torch.randn(3, 4, generator=gen)
+    prog = ext.program(3, ((0xD4, (2, 1, 1), 64, 128, (0, 1, 2, -1), (0, 16, 8, 7)),))
+    plan = ext.plan(2, 5, ((0, 2, (3, 4), torch.float32),  # slot 2: empty [3, 4]
+                           (2, 3, 0, 1),  # slot 3: linear(x, w)
+                           (3, 4, 3, 1),  # slot 4: matmul(slot 3, w)
+                           (1, prog, (0, 2, 4))),
+                    (2, 3, 4, -1))
+    records: list = []
+    ext.testing_record_native(records)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # excluded inside the plan
+            out = ext.run_plan(plan, (x, w), 5)
+    finally:
+        ext.testing_record_native(None)
+    empty, lin, mm, none = out
+    assert none is None and empty.shape == (3, 4) and empty.dtype == torch.float32
+    assert lin.dtype == torch.float32 and torch.equal(lin, torch.nn.functional.linear(x, w))
+    assert torch.equal(mm, torch.matmul(lin, w))
+    assert len(records) == 1
+    function, grid, block, shared, stream, params = records[0]
+    assert (function, grid, block, shared, stream) == (0xD4, (2, 1, 1), 64, 128, 5)
+    assert struct.unpack("<4Q", params) == (x.data_ptr(), empty.data_ptr() + 16, mm.data_ptr() + 8, 7)
+    if not torch.cuda.is_available():
+        assert ext.run_plan(plan, (x, w), 0) is None  # no driver / context here: nothing ran
+
+
+def test_malformed_layer_plans_are_refused(ext):
+    prog = ext.program(1, ((1, (1, 1, 1), 32, 0, (0,), (0,)),))
+    with pytest.raises(ValueError, match="bad step 0"):
+        ext.plan(2, 3, ((0, 1, (4,), torch.float32),), ())  # an allocation into an input slot
+    with pytest.raises(ValueError, match="bad step 0"):
+        ext.plan(2, 3, ((1, prog, (0, 1)),), ())  # a program over two slots for its one named tensor
+    with pytest.raises(ValueError, match="bad step 0"):
+        ext.plan(2, 3, ((2, 2, 0, 3),), ())  # a GEMM reading slot 3 of 3
+    with pytest.raises(ValueError, match="names slot 3"):
+        ext.plan(2, 3, (), (3,))
+    plan = ext.plan(2, 3, ((2, 2, 0, 1),), (2,))
+    with pytest.raises(ValueError, match="run_plan: expected a tuple of 2 tensors"):
+        ext.run_plan(plan, (torch.empty(1),), 0)
+
+
+def _node_plans(ext):
+    """A forward plan of the POET-X node's layout whose only work is a GEMM (``y = x2·Wᵀ``; outputs xp = x2, up = y,
+    y, g = an empty [4, 4]), and a backward plan (grad x2 = gy·W, grad q_in = q_in·rows, grad q_out = q_out·cols)."""
+    fwd = ext.plan(6, 8, ((2, 6, 0, 1), (0, 7, (4, 4), torch.float32)), (0, 6, 6, 7))
+    bwd = ext.plan(13, 16, ((3, 13, 0, 5), (3, 14, 6, 11), (3, 15, 7, 12)), (13, 14, 15))
+    return fwd, bwd
+
+
+@pytest.mark.parametrize("save", [True, False], ids=["fast", "mem"])
+def test_poetx_layer_node_forward_backward_and_fallback(ext, save):
+    """The C++ layer node (``poetx_layer``): its forward runs the forward plan and reshapes ``y`` like the input;
+    without a backward plan its backward calls the Python backward with the saved tensors (fast: xp, up, g; mem: the
+    input) and the needs of each input; with one registered (``poetx_set_plan``) it runs that plan; the gradients
+    reach x, q_in and q_out; the registry is cleared by ``poetx_clear``."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 4, generator=gen, requires_grad=True)
+    w = torch.randn(5, 4, generator=gen)
+    q_in, q_out = (torch.randn(4, 4, generator=gen, requires_grad=True) for _ in range(2))
+    rows, cols = torch.eye(4) * 2, torch.eye(4) * 3
+    perm = torch.arange(4)
+    gy = torch.randn(2, 3, 5, generator=gen)
+    fwd, bwd = _node_plans(ext)
+    calls = []
+
+    def backward(gy2, x2, xp, up, g, weight, qi, qo, perm_in, perm_out, inv_in, b, k, need_x, need_qi, need_qo):
+        calls.append((x2 is not None, xp is not None, up is not None, g is not None, b, k, need_x, need_qi, need_qo))
+        return gy2 @ weight, qi * 5, qo * 7
+
+    ext.poetx_configure(backward, lambda: False)
+    ext.poetx_clear()
+    ext.testing_record_native([])  # CPU tensors: the recorder stands in for a CUDA context
+    try:
+        def run(node_id):
+            for t in (x, q_in, q_out):
+                t.grad = None
+            y = ext.poetx_layer(x, q_in, q_out, w, perm, perm, perm, perm, rows, cols, fwd, node_id, 4, 3, save)
+            assert y.shape == (2, 3, 5) and torch.equal(y, torch.nn.functional.linear(x, w))
+            y.backward(gy)
+            assert torch.equal(x.grad, gy @ w)
+            return q_in.grad, q_out.grad
+
+        before = ext.poetx_stats()
+        gq_in, gq_out = run(7)  # no backward plan: the Python backward
+        assert calls == [(not save, save, save, save, 4, 3, True, True, True)]
+        assert torch.equal(gq_in, q_in.detach() * 5) and torch.equal(gq_out, q_out.detach() * 7)
+        ext.poetx_set_plan(7, True, bwd)
+        ext.poetx_set_plan(7, False, bwd)  # (another input-gradient need: not this call's)
+        gq_in, gq_out = run(7)
+        assert len(calls) == 1
+        assert torch.equal(gq_in, q_in.detach() @ rows) and torch.equal(gq_out, q_out.detach() @ cols)
+        after = ext.poetx_stats()
+        assert after["calls"] == before["calls"] + 2 and after["planned_backward"] == before["planned_backward"] + 1
+        assert after["backward_plans"] == 2
+        run(8)  # another id: the Python backward again
+        assert len(calls) == 2
+        ext.poetx_clear()
+        assert ext.poetx_stats()["backward_plans"] == 0
+        with pytest.raises(ValueError, match="not a forward plan"):
+            ext.poetx_layer(x, q_in, q_out, w, perm, perm, perm, perm, rows, cols, bwd, 1, 4, 3, save)
+    finally:
+        ext.testing_record_native(None)
+        ext.poetx_clear()
+        from fastdora.poetx import replay
+
+        replay._CONFIGURED.clear()  # the next layer node configures the extension with its own backward again

@@ -1,6 +1,6 @@
 """fastdora.poetx stands alone: it imports torch and the standard library, never transformers or peft, and of
-fastdora only the shared base modules (config, compat, stats, _launch, the cached Triton launcher, and
-_backward_window, callbacks around a forward's backward), none of the
+fastdora only the shared base modules (config, compat, stats, _launch, the cached Triton launcher, _native, the C++
+extension's build and launch programs, and _backward_window, callbacks around a forward's backward), none of the
 DoRA implementation. Its Triton kernels
 (kernels*.py, the only modules that may import triton) live inside it."""
 
@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 POETX = Path(__file__).resolve().parents[2] / "core" / "poetx"
-ALLOWED_PARENT = {"config", "compat", "stats", "_launch", "_backward_window"}
+ALLOWED_PARENT = {"config", "compat", "stats", "_launch", "_native", "_backward_window"}
 
 
 def _imports(path: Path):
@@ -19,8 +19,11 @@ def _imports(path: Path):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield 0, alias.name
-        elif isinstance(node, ast.ImportFrom):
-            yield node.level, node.module or ""
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            yield node.level, node.module
+        elif isinstance(node, ast.ImportFrom):  # from .. import a, b: the modules a and b of that package
+            for alias in node.names:
+                yield node.level, alias.name
 
 
 def test_poetx_imports_only_torch_the_standard_library_and_its_own_modules():

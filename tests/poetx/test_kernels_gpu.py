@@ -225,7 +225,8 @@ def test_layer_replay_equals_the_op_path(mode, x_grad, bias, direct, monkeypatch
     (:mod:`fastdora.poetx.replay`): every segment replayable, no launcher runs on the second call, outputs and
     gradients bitwise those of the op's own path (``replay.ENABLED = False``), at 3000 tokens (block gradients split
     over programs) in bfloat16 with float32 Q. ``direct``: every segment a launch program of the C++ extension (on the
-    verified Triton versions), which alone launches the replayed calls; else each launch through Triton's launcher."""
+    verified Triton versions), which alone launches the replayed calls -- without a bias the layer's autograd node in
+    C++ running the layer plans; else each launch through Triton's launcher."""
     from fastdora import _native
     from fastdora.poetx import replay
 
@@ -259,6 +260,10 @@ def test_layer_replay_equals_the_op_path(mode, x_grad, bias, direct, monkeypatch
     assert all(r is not None for r in replay._REPLAYS.values()), "a segment could not be replayed"
 
     assert all((r.program is not None) == direct for r in replay._REPLAYS.values()), _native.programs_status()
+    # the layer plans: the forward's (no bias) and the backward's where every segment is a program
+    plans = {k[0]: v for k, v in replay._PLANS.items()}
+    assert set(plans) == ({"bwd"} if bias else {"fwd", "bwd"}) and all((v is not None) == direct
+                                                                       for v in plans.values())
 
     def no_launcher(*args, **kwargs):
         raise AssertionError("a launcher ran on a replayed call")
@@ -269,7 +274,14 @@ def test_layer_replay_equals_the_op_path(mode, x_grad, bias, direct, monkeypatch
         if direct:  # the programs alone: no launch steps for Triton's launchers to fall back on
             for r in replay._REPLAYS.values():
                 m.setattr(r, "steps", ())
+        if direct and not bias:  # the layer plans alone: no segment runs from Python
+            m.setattr(replay, "_segment", no_launcher)
+        before = _native.programs().poetx_stats() if direct else None
         again = run()
+    if direct:  # the layer's autograd node in C++ (no bias), its backward from the backward plan
+        after = _native.programs().poetx_stats()
+        assert after["calls"] - before["calls"] == (0 if bias else 1)
+        assert after["planned_backward"] - before["planned_backward"] == (0 if bias else 1)
     monkeypatch.setattr(replay, "ENABLED", False)
     ref = run()
     assert (ref[1] is None) == (not x_grad)

@@ -32,10 +32,12 @@
 // every gradient bitwise those of the separate nodes.
 //
 // Launch programs (at the end of this file): recorded Triton launch sequences -- POET-X's layer segments,
-// fastdora._launch.Replay -- launched directly from C++ in one call per sequence.
+// fastdora._launch.Replay -- launched directly from C++ in one call per sequence; layer plans: a POET-X layer's whole
+// forward or backward (its allocations, launch programs and GEMMs) in one call.
 //
 // Module functions (Python): configure(...), load_driver(), set_native_launch(on), register(...), clear(),
-// compose(...), dora_linear(...), stats(), program(...), run_program(...).
+// compose(...), dora_linear(...), stats(), program(...), run_program(...), plan(...), run_plan(...),
+// poetx_configure(...), poetx_set_plan(...), poetx_clear(), poetx_stats(), poetx_layer(...).
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -45,6 +47,7 @@
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/mul.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/csrc/DynamicTypes.h>
@@ -1000,23 +1003,53 @@ PyObject* py_program(PyObject*, PyObject* args) {
   return capsule;
 }
 
+// A direct launch can be made here: the recorder (tests), or the CUDA driver with a current context.
+bool can_launch_direct() {
+  if (g_record) return true;
+  void* ctx = nullptr;
+  return g_driver.ready() && g_driver.ctx_current(&ctx) == 0 && ctx != nullptr;
+}
+
+// Launch a program's steps with `base` its named tensors' data pointers.
+void launch_program(const Program& prog, const uint64_t* base, uint64_t stream) {
+  uint64_t words[kMaxParams];
+  void* params[kMaxParams];
+  for (const ProgramStep& st : prog.steps) {
+    const size_t np = st.slot.size();
+    for (size_t i = 0; i < np; ++i) {
+      words[i] = st.slot[i] < 0 ? st.value[i] : base[st.slot[i]] + st.value[i];
+      params[i] = &words[i];
+    }
+    direct_launch(st.function, st.grid, st.block, st.shared, stream, words, params, np);
+  }
+}
+
+// The arguments (capsule, tuple, stream) of run_program / run_plan: the capsule's object (of kind `kind`), after
+// checking that the tuple has `count(object)` items, and the stream; null with a Python error set.
+template <class T, class Count>
+const T* capsule_call(PyObject* const* a, Py_ssize_t n, const char* fn, const char* kind, Count count,
+                      uint64_t& stream) {
+  if (!n_args(n, 3, fn)) return nullptr;
+  const auto* obj = static_cast<const T*>(PyCapsule_GetPointer(a[0], kind));
+  if (!obj) return nullptr;
+  const Py_ssize_t want = count(*obj);
+  if (!PyTuple_Check(a[1]) || PyTuple_GET_SIZE(a[1]) != want) {
+    PyErr_Format(PyExc_ValueError, "fastdora %s: expected a tuple of %zd tensors", fn, want);
+    return nullptr;
+  }
+  stream = PyLong_AsUnsignedLongLong(a[2]);
+  return PyErr_Occurred() ? nullptr : obj;
+}
+
 // run_program(program, named, stream) -> True, or False where nothing could be launched here (no CUDA driver or no
 // current context: the caller launches through Triton's launchers). named: the tensors, in the program's order.
 PyObject* py_run_program(PyObject*, PyObject* const* a, Py_ssize_t n) {
   HANDLE_TH_ERRORS
-  if (!n_args(n, 3, "run_program")) return nullptr;
-  const auto* prog = static_cast<const Program*>(PyCapsule_GetPointer(a[0], kProgram));
+  uint64_t stream = 0;
+  const auto* prog = capsule_call<Program>(a, n, "run_program", kProgram,
+                                           [](const Program& p) { return p.n_named; }, stream);
   if (!prog) return nullptr;
-  if (!PyTuple_Check(a[1]) || PyTuple_GET_SIZE(a[1]) != prog->n_named) {
-    PyErr_Format(PyExc_ValueError, "fastdora launch program: expected a tuple of %zd tensors", prog->n_named);
-    return nullptr;
-  }
-  const uint64_t stream = PyLong_AsUnsignedLongLong(a[2]);
-  if (PyErr_Occurred()) return nullptr;
-  if (!g_record) {
-    void* ctx = nullptr;
-    if (!g_driver.ready() || g_driver.ctx_current(&ctx) != 0 || ctx == nullptr) Py_RETURN_FALSE;
-  }
+  if (!can_launch_direct()) Py_RETURN_FALSE;
   uint64_t base[kMaxNamed];
   for (Py_ssize_t i = 0; i < prog->n_named; ++i) {
     PyObject* o = PyTuple_GET_ITEM(a[1], i);
@@ -1026,17 +1059,346 @@ PyObject* py_run_program(PyObject*, PyObject* const* a, Py_ssize_t n) {
     }
     base[i] = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(THPVariable_Unpack(o).data_ptr()));
   }
-  uint64_t words[kMaxParams];
-  void* params[kMaxParams];
-  for (const ProgramStep& st : prog->steps) {
-    const size_t np = st.slot.size();
-    for (size_t i = 0; i < np; ++i) {
-      words[i] = st.slot[i] < 0 ? st.value[i] : base[st.slot[i]] + st.value[i];
-      params[i] = &words[i];
-    }
-    direct_launch(st.function, st.grid, st.block, st.shared, stream, words, params, np);
-  }
+  launch_program(*prog, base, stream);
   Py_RETURN_TRUE;
+  END_HANDLE_TH_ERRORS
+}
+
+// ------------------------------------------------------------------------------------------------- layer plans
+//
+// A POET-X layer's forward or backward (fastdora.poetx.replay) as one call: the tensors its segments allocate, its
+// segments' launch programs and the GEMMs between them, in the order the Python path runs them, over an array of
+// slots (the call's inputs first). Each step is one of
+//   ALLOC   (0, out, sizes, dtype): slots[out] = an empty tensor on the inputs' device;
+//   PROGRAM (1, program, slots):    the launch program over those slots' tensors (its named tensors, in order);
+//   LINEAR  (2, out, a, w):         slots[out] = at::linear(slots[a], slots[w]);
+//   MATMUL  (3, out, a, w):         slots[out] = at::matmul(slots[a], slots[w]);
+// with autocast excluded (the Python path runs them with autocast off). The Python side builds a plan from the
+// tensors of a call that recorded every segment as a program, so the shapes, dtypes and launches are that call's.
+
+constexpr const char* kPlan = "fastdora.layer_plan";
+enum PlanCode : int { P_ALLOC = 0, P_PROGRAM = 1, P_LINEAR = 2, P_MATMUL = 3 };
+
+struct PlanStep {
+  int code = 0;
+  int out = -1;
+  std::vector<int> args;         // PROGRAM: its named slots; LINEAR / MATMUL: (a, w)
+  std::vector<int64_t> sizes;    // ALLOC
+  at::ScalarType dtype = at::kFloat;
+  const Program* program = nullptr;
+};
+
+struct Plan {
+  Py_ssize_t n_inputs = 0, n_slots = 0;
+  std::vector<PlanStep> steps;
+  std::vector<int> outputs;      // per output its slot, -1: None
+  PyObject* programs = nullptr;  // the program capsules, kept alive (owned)
+  ~Plan() { Py_XDECREF(programs); }
+};
+
+void plan_free(PyObject* capsule) { delete static_cast<Plan*>(PyCapsule_GetPointer(capsule, kPlan)); }
+
+bool slot_ok(long v, Py_ssize_t n) { return v >= 0 && v < n; }
+
+// plan(n_inputs, n_slots, steps, outputs) -> capsule
+PyObject* py_plan(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
+  Py_ssize_t n_inputs, n_slots;
+  PyObject *steps, *outputs;
+  if (!PyArg_ParseTuple(args, "nnO!O!", &n_inputs, &n_slots, &PyTuple_Type, &steps, &PyTuple_Type, &outputs))
+    return nullptr;
+  if (n_inputs < 1 || n_slots < n_inputs || n_slots > kMaxNamed) {
+    PyErr_SetString(PyExc_ValueError, "fastdora layer plan: 1 <= inputs <= slots <= 64");
+    return nullptr;
+  }
+  auto plan = std::make_unique<Plan>();
+  plan->n_inputs = n_inputs;
+  plan->n_slots = n_slots;
+  plan->programs = PyList_New(0);
+  if (!plan->programs) return nullptr;
+  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(steps); ++k) {
+    PyObject* st = PyTuple_GET_ITEM(steps, k);
+    if (!PyTuple_Check(st) || PyTuple_GET_SIZE(st) < 2) {
+      PyErr_Format(PyExc_ValueError, "fastdora layer plan: bad step %zd", k);
+      return nullptr;
+    }
+    PlanStep ps;
+    ps.code = static_cast<int>(PyLong_AsLong(PyTuple_GET_ITEM(st, 0)));
+    if (PyErr_Occurred()) return nullptr;
+    bool ok = false;
+    if (ps.code == P_ALLOC && PyTuple_GET_SIZE(st) == 4 && PyTuple_Check(PyTuple_GET_ITEM(st, 2))) {
+      ps.out = static_cast<int>(PyLong_AsLong(PyTuple_GET_ITEM(st, 1)));
+      PyObject* sizes = PyTuple_GET_ITEM(st, 2);
+      for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(sizes); ++i) ps.sizes.push_back(PyLong_AsLongLong(
+          PyTuple_GET_ITEM(sizes, i)));
+      ps.dtype = dtype_of(PyTuple_GET_ITEM(st, 3));
+      ok = !PyErr_Occurred() && slot_ok(ps.out, n_slots) && ps.out >= n_inputs;
+    } else if (ps.code == P_PROGRAM && PyTuple_GET_SIZE(st) == 3 && PyTuple_Check(PyTuple_GET_ITEM(st, 2))) {
+      PyObject* cap = PyTuple_GET_ITEM(st, 1);
+      ps.program = static_cast<const Program*>(PyCapsule_GetPointer(cap, kProgram));
+      if (!ps.program || PyList_Append(plan->programs, cap) < 0) return nullptr;
+      PyObject* slots = PyTuple_GET_ITEM(st, 2);
+      ok = PyTuple_GET_SIZE(slots) == ps.program->n_named;
+      for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(slots); ++i) {
+        const long v = PyLong_AsLong(PyTuple_GET_ITEM(slots, i));
+        ok = !PyErr_Occurred() && slot_ok(v, n_slots);
+        ps.args.push_back(static_cast<int>(v));
+      }
+    } else if ((ps.code == P_LINEAR || ps.code == P_MATMUL) && PyTuple_GET_SIZE(st) == 4) {
+      ps.out = static_cast<int>(PyLong_AsLong(PyTuple_GET_ITEM(st, 1)));
+      const long a = PyLong_AsLong(PyTuple_GET_ITEM(st, 2)), w = PyLong_AsLong(PyTuple_GET_ITEM(st, 3));
+      ps.args = {static_cast<int>(a), static_cast<int>(w)};
+      ok = !PyErr_Occurred() && slot_ok(ps.out, n_slots) && ps.out >= n_inputs && slot_ok(a, n_slots) &&
+           slot_ok(w, n_slots);
+    }
+    if (!ok) {
+      if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "fastdora layer plan: bad step %zd", k);
+      return nullptr;
+    }
+    plan->steps.push_back(std::move(ps));
+  }
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(outputs); ++i) {
+    const long v = PyLong_AsLong(PyTuple_GET_ITEM(outputs, i));
+    if (PyErr_Occurred()) return nullptr;
+    if (v != -1 && !slot_ok(v, n_slots)) {
+      PyErr_Format(PyExc_ValueError, "fastdora layer plan: output %zd names slot %ld", i, v);
+      return nullptr;
+    }
+    plan->outputs.push_back(static_cast<int>(v));
+  }
+  PyObject* capsule = PyCapsule_New(plan.get(), kPlan, plan_free);
+  if (capsule) plan.release();
+  return capsule;
+  END_HANDLE_TH_ERRORS
+}
+
+// Run a plan on `inputs` (its n_inputs tensors, undefined for None; the first defined, on the plan's device) and
+// return its outputs (undefined for a -1 output). The caller checked can_launch_direct().
+std::vector<at::Tensor> execute_plan(const Plan& plan, const at::Tensor* inputs, uint64_t stream) {
+  at::Tensor slots[kMaxNamed];
+  for (Py_ssize_t i = 0; i < plan.n_inputs; ++i) slots[i] = inputs[i];
+  TORCH_CHECK(slots[0].defined(), "fastdora layer plan: the first input must be a tensor");
+  const at::TensorOptions on = slots[0].options();
+  c10::OptionalDeviceGuard guard;
+  if (slots[0].is_cuda()) guard.reset_device(slots[0].device());
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  uint64_t base[kMaxNamed];
+  for (const PlanStep& st : plan.steps) {
+    switch (st.code) {
+      case P_ALLOC:
+        slots[st.out] = at::empty(st.sizes, on.dtype(st.dtype));
+        break;
+      case P_LINEAR:
+        slots[st.out] = at::linear(slots[st.args[0]], slots[st.args[1]]);
+        break;
+      case P_MATMUL:
+        slots[st.out] = at::matmul(slots[st.args[0]], slots[st.args[1]]);
+        break;
+      default:
+        for (size_t i = 0; i < st.args.size(); ++i) {
+          const at::Tensor& t = slots[st.args[i]];
+          TORCH_CHECK(t.defined(), "fastdora layer plan: a program's tensor slot ", st.args[i], " is empty");
+          base[i] = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()));
+        }
+        launch_program(*st.program, base, stream);
+    }
+  }
+  std::vector<at::Tensor> out;
+  out.reserve(plan.outputs.size());
+  for (int slot : plan.outputs) out.push_back(slot < 0 ? at::Tensor() : slots[slot]);
+  return out;
+}
+
+// run_plan(plan, inputs, stream) -> the outputs (a tuple, None for a -1 output), or None where nothing could be
+// launched here (no CUDA driver or no current context: the caller runs its Python path). inputs: tensors or None,
+// the first a tensor on the device the plan allocates on. Needs the GIL.
+PyObject* py_run_plan(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  HANDLE_TH_ERRORS
+  uint64_t stream = 0;
+  const auto* plan = capsule_call<Plan>(a, n, "run_plan", kPlan, [](const Plan& p) { return p.n_inputs; }, stream);
+  if (!plan) return nullptr;
+  if (!can_launch_direct()) Py_RETURN_NONE;
+  at::Tensor inputs[kMaxNamed];
+  for (Py_ssize_t i = 0; i < plan->n_inputs; ++i) inputs[i] = unwrap(PyTuple_GET_ITEM(a[1], i));
+  const std::vector<at::Tensor> outs = execute_plan(*plan, inputs, stream);
+  PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(outs.size()));
+  if (!out) return nullptr;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    PyObject* v = wrap(outs[i]);
+    if (!v) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(out, static_cast<Py_ssize_t>(i), v);
+  }
+  return out;
+  END_HANDLE_TH_ERRORS
+}
+
+// ------------------------------------------------------------------------------------------ POET-X layer node
+//
+// The autograd node of a POET-X layer call whose forward has a layer plan (fastdora.poetx.replay decides): the
+// forward runs that plan; the backward runs the backward plan registered under the node's id (poetx_set_plan) where
+// one is and the call allows it (both Q need gradients, no double backward, gy aligned, no Triton launch hook), and
+// otherwise the Python backward (poetx_configure's `backward`, the Python node's own), which records the backward's
+// segments and registers its plan. Saved and returned tensors are those of the Python node (fastdora.poetx.ops.
+// _PoetXLayer): the same launches, so the same results bit for bit.
+
+auto& g_poetx_plans = *new std::unordered_map<int64_t, PyObject*>();  // id -> backward plan capsule (owned)
+PyObject* g_poetx_backward = nullptr;  // (gy, x2, xp, up, g, weight, q_in, q_out, perm_in, perm_out, inv_in, b, k,
+                                       //  need_x, need_q_in, need_q_out) -> (grad_x2, grad_q_in, grad_q_out)
+PyObject* g_poetx_hooks = nullptr;     // () -> bool: Triton launch hooks are set
+int64_t g_poetx_calls = 0, g_poetx_planned_bwd = 0;
+
+struct PoetXArgs {
+  at::Tensor weight, perm_in, perm_out, inv_in, inv_out, rows, cols;
+  const Plan* forward = nullptr;
+  int64_t id = 0, block = 0, terms = 0;
+  bool save = true;  // "fast": keep xp, up and the blocks; "mem": the input
+};
+
+struct PoetXNode : public torch::autograd::Function<PoetXNode> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& q_in, const at::Tensor& q_out,
+                            const PoetXArgs& pa) {
+    const at::Tensor x2 = x.reshape({-1, x.size(-1)});
+    const at::Tensor inputs[6] = {x2, pa.weight, q_in, q_out, pa.perm_in, pa.inv_out};
+    const std::vector<at::Tensor> o = execute_plan(*pa.forward, inputs, stream_of(x2));  // xp, up, y, g
+    if (pa.save) {
+      ctx->save_for_backward({at::Tensor(), o[0], o[1], o[3], pa.weight, q_in, q_out, pa.perm_in, pa.perm_out,
+                              pa.inv_in});
+    } else {
+      ctx->save_for_backward({x, at::Tensor(), at::Tensor(), at::Tensor(), pa.weight, q_in, q_out, pa.perm_in,
+                              pa.perm_out, pa.inv_in});
+    }
+    ctx->saved_data["rows"] = pa.rows;
+    ctx->saved_data["cols"] = pa.cols;
+    ctx->saved_data["id"] = pa.id;
+    ctx->saved_data["b"] = pa.block;
+    ctx->saved_data["k"] = pa.terms;
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
+    std::vector<int64_t> sizes = x.sizes().vec();
+    sizes.back() = pa.weight.size(0);
+    return o[2].view(sizes);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    GIL gil;
+    const variable_list sv = ctx->get_saved_variables();
+    const at::Tensor &x = sv[0], &weight = sv[4], &q_in = sv[5], &q_out = sv[6];
+    const bool need_x = ctx->needs_input_grad(0), need_qi = ctx->needs_input_grad(1),
+               need_qo = ctx->needs_input_grad(2);
+    const at::Tensor gy = grads[0].reshape({-1, weight.size(0)}).contiguous();
+    const at::Tensor x2 = x.defined() ? x.reshape({-1, x.size(-1)}) : at::Tensor();
+    const at::Tensor rows = ctx->saved_data["rows"].toTensor(), cols = ctx->saved_data["cols"].toTensor();
+    const int64_t id = ctx->saved_data["id"].toInt();
+    std::vector<at::Tensor> g3;
+    PyObject* capsule = nullptr;
+    if (need_qi && need_qo && !at::GradMode::is_enabled() && aligned(gy) && (!x2.defined() || x2.is_contiguous())) {
+      auto it = g_poetx_plans.find(id * 2 + (need_x ? 1 : 0));
+      if (it != g_poetx_plans.end() && can_launch_direct() && !call_bool(g_poetx_hooks)) capsule = it->second;
+    }
+    if (capsule) {
+      Py_INCREF(capsule);  // kept while it runs (a re-registration may replace it)
+      const auto* plan = static_cast<const Plan*>(PyCapsule_GetPointer(capsule, kPlan));
+      const at::Tensor inputs[13] = {gy, x2, sv[1], sv[2], sv[3], weight, q_in, q_out, sv[7], sv[8], sv[9], rows,
+                                     cols};
+      try {
+        g3 = execute_plan(*plan, inputs, stream_of(gy));
+      } catch (...) {
+        Py_DECREF(capsule);
+        throw;
+      }
+      Py_DECREF(capsule);
+      ++g_poetx_planned_bwd;
+    } else {
+      PyObject* r = PyObject_CallFunction(
+          g_poetx_backward, "NNNNNNNNNNNLLOOO", wrap(gy), wrap(x2), wrap(sv[1]), wrap(sv[2]), wrap(sv[3]),
+          wrap(weight), wrap(q_in), wrap(q_out), wrap(sv[7]), wrap(sv[8]), wrap(sv[9]),
+          static_cast<long long>(ctx->saved_data["b"].toInt()), static_cast<long long>(ctx->saved_data["k"].toInt()),
+          need_x ? Py_True : Py_False, need_qi ? Py_True : Py_False, need_qo ? Py_True : Py_False);
+      g3 = fallback_result(r, 3, "the POET-X backward");
+    }
+    at::Tensor grad_x;
+    if (need_x && g3[0].defined()) grad_x = g3[0].view(ctx->saved_data["x_sizes"].toIntVector());
+    return {grad_x, need_qi ? g3[1] : at::Tensor(), need_qo ? g3[2] : at::Tensor(), at::Tensor()};
+  }
+};
+
+// poetx_configure(backward, hooks_active)
+PyObject* py_poetx_configure(PyObject*, PyObject* args) {
+  PyObject *b, *h;
+  if (!PyArg_ParseTuple(args, "OO", &b, &h)) return nullptr;
+  Py_INCREF(b);
+  Py_INCREF(h);
+  Py_XDECREF(g_poetx_backward);
+  Py_XDECREF(g_poetx_hooks);
+  g_poetx_backward = b;
+  g_poetx_hooks = h;
+  Py_RETURN_NONE;
+}
+
+// poetx_set_plan(id, need_x, plan capsule or None): the backward plan of the nodes with that id
+PyObject* py_poetx_set_plan(PyObject*, PyObject* args) {
+  long long id;
+  int need_x;
+  PyObject* cap;
+  if (!PyArg_ParseTuple(args, "LpO", &id, &need_x, &cap)) return nullptr;
+  if (cap != Py_None && !PyCapsule_IsValid(cap, kPlan)) {
+    PyErr_SetString(PyExc_TypeError, "fastdora POET-X node: expected a layer plan or None");
+    return nullptr;
+  }
+  const int64_t key = id * 2 + (need_x ? 1 : 0);
+  auto it = g_poetx_plans.find(key);
+  if (it != g_poetx_plans.end()) {
+    Py_DECREF(it->second);
+    g_poetx_plans.erase(it);
+  }
+  if (cap != Py_None) {
+    Py_INCREF(cap);
+    g_poetx_plans[key] = cap;
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* py_poetx_clear(PyObject*, PyObject*) {
+  for (auto& kv : g_poetx_plans) Py_DECREF(kv.second);
+  g_poetx_plans.clear();
+  Py_RETURN_NONE;
+}
+
+PyObject* py_poetx_stats(PyObject*, PyObject*) {
+  return Py_BuildValue("{s:L,s:L,s:n}", "calls", static_cast<long long>(g_poetx_calls), "planned_backward",
+                       static_cast<long long>(g_poetx_planned_bwd), "backward_plans",
+                       static_cast<Py_ssize_t>(g_poetx_plans.size()));
+}
+
+// poetx_layer(x, q_in, q_out, weight, perm_in, perm_out, inv_in, inv_out, rows, cols, forward_plan, id, block,
+//             terms, save) -> y (autograd-aware; called under grad mode with x's rows contiguous), or None where
+// nothing can be launched on this thread (the caller runs the Python node)
+PyObject* py_poetx_layer(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  HANDLE_TH_ERRORS
+  if (!n_args(n, 15, "poetx_layer")) return nullptr;
+  if (!g_poetx_backward) {
+    PyErr_SetString(PyExc_RuntimeError, "fastdora POET-X node: poetx_configure was not called");
+    return nullptr;
+  }
+  PoetXArgs pa;
+  at::Tensor* tensors[7] = {&pa.weight, &pa.perm_in, &pa.perm_out, &pa.inv_in, &pa.inv_out, &pa.rows, &pa.cols};
+  for (int i = 0; i < 7; ++i) *tensors[i] = unwrap(a[3 + i]);
+  pa.forward = static_cast<const Plan*>(PyCapsule_GetPointer(a[10], kPlan));
+  if (!pa.forward) return nullptr;
+  pa.id = PyLong_AsLongLong(a[11]);
+  pa.block = PyLong_AsLongLong(a[12]);
+  pa.terms = PyLong_AsLongLong(a[13]);
+  if (PyErr_Occurred() || !truth(a[14], pa.save)) return nullptr;
+  if (pa.forward->n_inputs != 6 || pa.forward->outputs.size() != 4) {
+    PyErr_SetString(PyExc_ValueError, "fastdora POET-X node: not a forward plan (6 inputs, 4 outputs)");
+    return nullptr;
+  }
+  if (!can_launch_direct()) Py_RETURN_NONE;  // no CUDA context on this thread: the Python node
+  ++g_poetx_calls;
+  at::Tensor y = PoetXNode::apply(unwrap(a[0]), unwrap(a[1]), unwrap(a[2]), pa);
+  return THPVariable_Wrap(y);
   END_HANDLE_TH_ERRORS
 }
 
@@ -1059,6 +1421,16 @@ PyMethodDef methods[] = {
     {"program", py_program, METH_VARARGS, "program(n_named, steps) -> a launch program (capsule)"},
     {"run_program", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_run_program)), METH_FASTCALL,
      "run_program(program, named, stream) -> True, or False where nothing could be launched here"},
+    {"plan", py_plan, METH_VARARGS, "plan(n_inputs, n_slots, steps, outputs) -> a layer plan (capsule)"},
+    {"poetx_configure", py_poetx_configure, METH_VARARGS, "poetx_configure(backward, hooks_active)"},
+    {"poetx_set_plan", py_poetx_set_plan, METH_VARARGS, "poetx_set_plan(id, need_x, backward plan or None)"},
+    {"poetx_clear", py_poetx_clear, METH_NOARGS, "drop every registered POET-X backward plan"},
+    {"poetx_stats", py_poetx_stats, METH_NOARGS, "{'calls', 'planned_backward', 'backward_plans'}"},
+    {"poetx_layer", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_poetx_layer)), METH_FASTCALL,
+     "poetx_layer(x, q_in, q_out, weight, perm_in, perm_out, inv_in, inv_out, rows, cols, forward_plan, id, block, "
+     "terms, save) -> y"},
+    {"run_plan", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_run_plan)), METH_FASTCALL,
+     "run_plan(plan, inputs, stream) -> the outputs, or None where nothing could be launched here"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "fastdora_compose_node", nullptr, -1, methods};
