@@ -295,7 +295,9 @@ def node(x, weight, q_in, q_out, perm_in, perm_out, inverse, block_size, terms, 
     node's backward runs the backward plan of the problem where one exists, else ``backward`` (the Python node's
     backward, which records the backward and registers its plan); ``inverse``: the cached inverse permutation."""
     x2 = x.reshape(-1, x.shape[-1])
-    if not applies(x2, weight, q_in, q_out):
+    # no launch programs (a Triton version they are not verified on, PROGRAMS off): no plans, so no problem key to
+    # compute here on every call before the Python node computes it again
+    if not (PROGRAMS and applies(x2, weight, q_in, q_out)) or _native.programs() is None:
         return None
     problem = _problem(x2, weight, None, q_in, q_out, block_size, terms)
     plan = _PLANS.get(("fwd", problem))
