@@ -18,8 +18,10 @@ Same definitions as :mod:`fastdora.poetx` (so that the two can be compared step 
   (fastdora's ``from_scratch_normalize``).
 - Precision (``promote=True``, the convergence benchmark): under autocast the input and ``W`` take the autocast dtype,
   the block products run in ``promote(activation dtype, Q's dtype)`` and round once to the activation dtype, the GEMM
-  runs in the activation dtype, as fastdora computes; the permutations are ``index_select`` gathers (backward: an
-  ``index_add``). ``promote=False`` (the layer benchmark's "plain" variant, unchanged): the blocks are cast to the
+  runs in the activation dtype, as fastdora computes; the permutations are ``index_select`` gathers whose backward
+  is the gather by the inverse permutation (:class:`_Permute`: the exact result of autograd's ``index_add``, which
+  under ``torch.use_deterministic_algorithms`` falls back to an accumulating ``index_put`` that sorts every index on
+  CUDA). ``promote=False`` (the layer benchmark's "plain" variant, unchanged): the blocks are cast to the
   activation dtype and the products run there, the permutations are ``x[..., perm]`` (backward: an ``index_put``
   with accumulation, which sorts the indices of every element: on the H200 the layer's time grew with the tokens,
   7.6 to 27.7 ms from 2048 to 8192 tokens at 4096→4096, ``results/poetx_layer_h200_2026-12-04``), no autocast
@@ -53,6 +55,21 @@ def permutation_seed(seed: int, layer_index: int, merge_count: int) -> int:
 
 def skew_size(block_size: int) -> int:
     return block_size * (block_size - 1) // 2
+
+
+class _Permute(torch.autograd.Function):
+    """``t[..., perm]`` whose gradient is ``g[..., inv]`` (``inv = argsort(perm)``): each value moves once, so the
+    gather by the inverse is exactly the ``index_add`` autograd would run for ``index_select``."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inv)
+        return t.index_select(-1, perm)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inv,) = ctx.saved_tensors
+        return grad.index_select(-1, inv), None, None
 
 
 class PlainPoetX(nn.Module):
@@ -105,15 +122,15 @@ class PlainPoetX(nn.Module):
         if self.promote:
             compute = torch.promote_types(t.dtype, blocks.dtype)
 
-            def gather(v, idx):  # backward: index_add (the advanced-indexing backward accumulates through a sort)
-                return v.index_select(-1, idx)
+            def gather(v, idx, idx_inv):
+                return _Permute.apply(v, idx, idx_inv)
         else:
             compute = t.dtype
 
-            def gather(v, idx):
+            def gather(v, idx, idx_inv):  # backward: index_put with accumulation (sorts every index)
                 return v[..., idx]
-        tp = gather(t, perm).to(compute).reshape(-1, n_blocks, self.b).transpose(0, 1)  # [k, N, b]
-        out = gather(torch.bmm(tp, blocks.mT.to(compute)).transpose(0, 1).reshape(*t.shape), inv)
+        tp = gather(t, perm, inv).to(compute).reshape(-1, n_blocks, self.b).transpose(0, 1)  # [k, N, b]
+        out = gather(torch.bmm(tp, blocks.mT.to(compute)).transpose(0, 1).reshape(*t.shape), inv, perm)
         if bias is not None:  # added before the one rounding
             out = out + bias.to(compute)
         return out.to(t.dtype)

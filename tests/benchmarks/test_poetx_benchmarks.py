@@ -102,6 +102,33 @@ def test_plain_poetx_equals_fastdora_through_merges(bench):
                 y.weight.copy_(_natural(x))
 
 
+def test_plain_permutation_gradient_is_the_inverse_gather(bench):
+    """The convergence path's permutation (gradient: the gather by the inverse permutation) gives bitwise the
+    gradients of autograd's own ``index_select`` backward (an ``index_add``), input and Q alike."""
+    plain = bench["plain"]
+    torch.manual_seed(0)
+    w = torch.randn(48, 32, dtype=torch.float64)
+    x = torch.randn(5, 7, 32, dtype=torch.float64)
+    gy = torch.randn(5, 7, 48, dtype=torch.float64)
+    perm = torch.randperm(32)
+    t = x.clone().requires_grad_()
+    plain._Permute.apply(t, perm, torch.argsort(perm)).backward(gy[..., :32])
+    u = x.clone().requires_grad_()
+    u.index_select(-1, perm).backward(gy[..., :32])
+    assert torch.equal(t.grad, u.grad)
+    grads = []
+    for promote in (True, False):
+        layer = plain.PlainPoetX(w, 16, promote=promote, seed=2).double()
+        with torch.no_grad():
+            layer.q_in.copy_(torch.randn(layer.q_in.shape, generator=torch.Generator().manual_seed(3)) * 0.1)
+            layer.q_out.copy_(torch.randn(layer.q_out.shape, generator=torch.Generator().manual_seed(4)) * 0.1)
+        xi = x.clone().requires_grad_()
+        layer(xi).backward(gy)
+        grads.append((xi.grad, layer.q_in.grad, layer.q_out.grad))
+    for ga, gb in zip(*grads):
+        assert torch.equal(ga, gb)
+
+
 def test_plain_poetx_bf16_rounds_like_fastdora(bench):
     """bf16 weights and activations, float32 Q (no autocast): the block products in float32 rounded once to bf16 in
     both, so the outputs agree to a bf16 rounding."""
