@@ -446,18 +446,24 @@ def run_series(device: str, tiny: bool) -> list:
         if poetx_kernels.applies(packed):
             from triton.runtime.errors import OutOfResources
 
-            for prec in ("tf32x3", "bf16x3", "tf32"):
+            # "bf16x3-load-split": the backward's bf16x3 products splitting each fp32 operand tile in their loads
+            # (SPLIT_OPERANDS = False, as the forward's do) instead of reading operands split once by the launch that
+            # produced them
+            for label, prec, split_ops in (("tf32x3", "tf32x3", True), ("bf16x3", "bf16x3", True),
+                                           ("bf16x3-load-split", "bf16x3", False), ("tf32", "tf32", True)):
                 for cfg in SERIES_SWEEP:
-                    saved = poetx_kernels.CAYLEY_CONFIG, poetx_kernels.CAYLEY_PRECISION
+                    saved = poetx_kernels.CAYLEY_CONFIG, poetx_kernels.CAYLEY_PRECISION, poetx_kernels.SPLIT_OPERANDS
                     poetx_kernels.CAYLEY_CONFIG, poetx_kernels.CAYLEY_PRECISION = cfg, prec
+                    poetx_kernels.SPLIT_OPERANDS = split_ops
                     try:
-                        record(f"kernels {prec} {cfg}",
+                        record(f"kernels {label} {cfg}",
                                lambda: poetx_kernels.cayley_forward(packed, b, 3),
                                lambda: poetx_kernels.cayley_backward(packed, grad_g, b, 3))
                     except OutOfResources as err:  # a tile set this GPU cannot hold
-                        print(f"series  {n:5d} blocks b={b}  kernels {prec} {cfg}: {err}", flush=True)
+                        print(f"series  {n:5d} blocks b={b}  kernels {label} {cfg}: {err}", flush=True)
                     finally:
-                        poetx_kernels.CAYLEY_CONFIG, poetx_kernels.CAYLEY_PRECISION = saved
+                        (poetx_kernels.CAYLEY_CONFIG, poetx_kernels.CAYLEY_PRECISION,
+                         poetx_kernels.SPLIT_OPERANDS) = saved
         q = cayley.skew_from_packed(packed, b)
         eye = torch.eye(b, device=device)
         for name, tf32 in (("cuBLAS baddbmm, TF32", True), ("cuBLAS baddbmm, float32", False)):

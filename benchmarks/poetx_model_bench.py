@@ -37,15 +37,16 @@ and what the paper compares):
   False``), beside the default (each layer's launches recorded once and replayed), at full depth in both plans.
 - ``-py-replay``: fast mode with the replayed launches made one by one through each kernel's compiled Triton
   launcher from Python (``fastdora.poetx.replay.PROGRAMS = False``) instead of one C++ launch program per segment.
-- ``-tf32x3``: fast mode with the Cayley–Neumann products of the training step in 3xTF32
-  (``fastdora.poetx.kernels.CAYLEY_PRECISION``), beside the default (bf16x3), at full depth in both plans.
+- ``-load-split``: fast mode with the Cayley–Neumann backward's products splitting every fp32 operand tile into its
+  bf16 parts in their loads (``fastdora.poetx.kernels.SPLIT_OPERANDS = False``, as the forward does) instead of
+  reading operands split once by the launch that produced them, beside the default, at full depth in both plans.
 - extra rows (the plan's tail): ``-qbf16``: Q and its moments in bf16 (as the paper's public implementation keeps
   them); ``adamw-foreach``: torch's default multi-tensor AdamW (a temporary the size of the moments during the step);
   ``adamw-fp32-master``: fp32 weights with fp32 moments under bf16 autocast (16 bytes per parameter plus the
   activations: expected not to fit 141 GB at full depth; an OOM is recorded as a result).
 
 Plan ``h200`` (priority order; ``--budget-s`` drops the tail): 1. full depth (32 layers): AdamW, POET-X fast / mem /
-int8 at b=256, LoRA r=160 (the targets), POET-X fast ``-batched``, ``-launchers``, ``-py-replay`` and ``-tf32x3``;
+int8 at b=256, LoRA r=160 (the targets), POET-X fast ``-batched``, ``-launchers``, ``-py-replay`` and ``-load-split``;
 2. full depth: POET-X fast / mem / int8 at b=512; 3. ``--layers`` (8) decoder layers: the same eight configs (the
 per-layer cost, with the embeddings' share smaller); 4. full depth: the extra rows. Plan ``targets``: block 1 alone.
 
@@ -108,7 +109,8 @@ def config_name(c: dict) -> str:
     return (f"poetx-{kind}-b{c['block']}" + ("-qbf16" if c.get("q_dtype") == "bf16" else "")
             + ("-batched" if c.get("series") == "batched" else "")
             + (f"-{c['launch']}" if c.get("launch") else "")
-            + (f"-{c['series_precision']}" if c.get("series_precision") else ""))
+            + (f"-{c['series_precision']}" if c.get("series_precision") else "")
+            + ("-load-split" if c.get("split_operands") is False else ""))
 
 
 def plan_configs(plan: str, shape: str, layers: int) -> list:
@@ -129,7 +131,7 @@ def plan_configs(plan: str, shape: str, layers: int) -> list:
     cfgs += [poetx(b0, "fast", full, series="batched")]  # the batched series, side by side
     cfgs += [poetx(b0, "fast", full, launch="launchers")]  # every launch through its launcher, side by side
     cfgs += [poetx(b0, "fast", full, launch="py-replay")]  # replayed from Python, no C++ launch programs
-    cfgs += [poetx(b0, "fast", full, series_precision="tf32x3")]  # the series' products in 3xTF32, side by side
+    cfgs += [poetx(b0, "fast", full, split_operands=False)]  # series backward: operands split in the loads
     if plan == "h200":
         cfgs += block(b1, full)
         cfgs += [dict(method="adamw", layers=layers)] + block(b0, layers) + [
@@ -228,6 +230,9 @@ def setup_method(model, c: dict, a, dev):
     # "-tf32x3" (a precision name): the series' products of a training step in that precision instead of the default
     default = _DEFAULTS.setdefault("series_precision", poetx_kernels.CAYLEY_PRECISION)
     poetx_kernels.CAYLEY_PRECISION = c.get("series_precision") or default
+    # "-load-split": the series backward's bf16x3 products split each operand tile in their loads (the operands are
+    # otherwise split once, by the launch that produces them)
+    poetx_kernels.SPLIT_OPERANDS = c.get("split_operands", True)
     if c.get("q_dtype") == "bf16":
         for m in layers:
             m.q_in = torch.nn.Parameter(m.q_in.detach().to(torch.bfloat16))

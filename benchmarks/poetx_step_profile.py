@@ -32,6 +32,7 @@ CONFIGS = {"adamw": dict(method="adamw"), "poetx-fast": dict(method="poetx", mod
            "poetx-fast-launchers": dict(method="poetx", mode="fast", launch="launchers"),
            "poetx-fast-py-replay": dict(method="poetx", mode="fast", launch="py-replay"),
            "poetx-fast-tf32x3": dict(method="poetx", mode="fast", series_precision="tf32x3"),
+           "poetx-fast-load-split": dict(method="poetx", mode="fast", split_operands=False),
            "poetx-mem": dict(method="poetx", mode="mem")}
 
 

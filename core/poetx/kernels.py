@@ -36,6 +36,13 @@ tiles. The default ``k = 3`` runs from ``Q`` and ``S = Q²`` (one launch for ``S
   2·S·Γ − (∂L/∂S)·Q − Q·(∂L/∂S)`` (``Sᵀ = S``, ``Qᵀ = −Q``; see :func:`_cayley3_backward`), then the packing
   launch: five launches and products per backward, three launches per forward.
 
+In the backward with bf16x3 products (a training step on the GPU, :data:`SPLIT_OPERANDS`) the operands are split
+into their two bf16 parts once, by the launch that produces them, and stored as parts: the unpack writes ``Q``'s
+parts; the launch computing ``S`` writes, from each of its tiles, the parts of ``S``, ``S − 2Q`` and ``Γ``; the two
+sums then load parts and run the three bf16 products per pair without converting (only ``P``, whose transpose is
+another tile, is split in the loads): the conversions happen once per element instead of once per output tile
+reading it (``b / 64`` times at the default tiles).
+
 Other ``k``, one launch per matrix product:
 
 - forward, Horner's scheme of ``G = I + 2(Q + … + Qᵏ) + Qᵏ⁺¹``: ``H = Q·Q + 2Q + 2I``, then ``H ← H·Q + 2I``, and
@@ -82,6 +89,7 @@ __all__ = [
     "SPLIT_PARTS",
     "CAYLEY_PRECISION",
     "MERGE_PRECISION",
+    "SPLIT_OPERANDS",
     "applies",
     "gather",
     "rotate",
@@ -118,6 +126,13 @@ SPLIT_PARTS = 2
 #: TF32 products, float32-level) or "ieee" (fp32 FMAs). Measured on an H100, b=256, 72 blocks (a gate projection's
 #: two sides): forward 0.091 / backward 0.241 ms with bf16x3 against 0.173 / 0.506 ms with tf32x3
 CAYLEY_PRECISION = "bf16x3"
+#: the series backward with bf16x3 products at ``k = 3``: each operand of its products split into its two bf16 parts
+#: once, by the launch that produces it, and stored as the two parts (:func:`_cayley3_backward_parts`); False: the
+#: products split every fp32 tile they load (each operand tile once per output tile reading it), as the forward does.
+#: Measured on an H100 (b=256, 72 / 1024 blocks): backward 0.213 / 2.459 ms against 0.229 / 2.771 ms; the forward
+#: (one product after the square) measured slower with split operands (0.101 / 1.156 against 0.095 / 1.095 ms: the
+#: parts' extra stores cost more than the conversions they save) and splits in its loads
+SPLIT_OPERANDS = True
 #: the same for the series of a merge or an export (:func:`cayley_forward` with ``precision``), whose blocks are
 #: multiplied into the weight: float32-level
 MERGE_PRECISION = "tf32x3"
@@ -350,21 +365,40 @@ if AVAILABLE:
         return tl.where(r < c, v, -v)
 
     @triton.jit
-    def _unpack_kernel(q_ptr, q2_ptr, out_ptr, B, NPK, n_tiles, N1, BLOCK_T: tl.constexpr):
-        # out[k] = the dense skew Q of block k, fp32, one tile per program; blocks k >= N1 come from q2 (two
-        # parameter tensors unpacked side by side without concatenating them)
+    def _packed_block(q_ptr, q2_ptr, blk, NPK, N1):
+        """The packed triangle of block ``blk``: in q for blocks < N1, in q2 after them (two parameter tensors read
+        side by side without concatenating them)."""
+        if blk < N1:
+            return q_ptr + blk.to(tl.int64) * NPK
+        return q2_ptr + (blk - N1).to(tl.int64) * NPK
+
+    @triton.jit
+    def _store_parts(ptr, offs, NBB, x, mask, EVEN: tl.constexpr):
+        """An fp32 tile as its two bf16 parts (:func:`_split2`): ``hi`` at ``ptr``, ``lo`` ``NBB`` elements later."""
+        hi, lo = _split2(x, tl.bfloat16)
+        if EVEN:
+            tl.store(ptr + offs, hi)
+            tl.store(ptr + NBB + offs, lo)
+        else:
+            tl.store(ptr + offs, hi, mask=mask)
+            tl.store(ptr + NBB + offs, lo, mask=mask)
+
+    @triton.jit
+    def _unpack_kernel(q_ptr, q2_ptr, out_ptr, B, NPK, n_tiles, N1, NBB, PARTS: tl.constexpr, BLOCK_T: tl.constexpr):
+        # out[k] = the dense skew Q of block k, one tile per program (blocks k >= N1 from q2): fp32, or (PARTS) its
+        # two bf16 parts, the low part NBB elements after the high one
         pid = tl.program_id(0)
         per_blk = n_tiles * n_tiles
         blk = pid // per_blk
         ri = ((pid % per_blk) // n_tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
         cj = (pid % n_tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
-        if blk < N1:
-            src = q_ptr + blk.to(tl.int64) * NPK
+        q = _skew_tile(_packed_block(q_ptr, q2_ptr, blk, NPK, N1), ri[:, None], cj[None, :], B)
+        offs = blk.to(tl.int64) * B * B + ri[:, None] * B + cj[None, :]
+        mask = (ri < B)[:, None] & (cj < B)[None, :]
+        if PARTS:
+            _store_parts(out_ptr, offs, NBB, q, mask, False)
         else:
-            src = q2_ptr + (blk - N1).to(tl.int64) * NPK
-        q = _skew_tile(src, ri[:, None], cj[None, :], B)
-        tl.store(out_ptr + blk.to(tl.int64) * B * B + ri[:, None] * B + cj[None, :], q,
-                 mask=(ri < B)[:, None] & (cj < B)[None, :])
+            tl.store(out_ptr + offs, q, mask=mask)
 
     @triton.jit
     def _cn_load(ptr, offs, mask, EVEN: tl.constexpr):
@@ -384,16 +418,30 @@ if AVAILABLE:
         return blk.to(tl.int64) * B * B, ri, cj
 
     @triton.jit
-    def _cn_dot(a, b, acc, PREC: tl.constexpr):
+    def _cn_kstep(dense, ri, cj, k0, B: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The reduction step at ``k0`` of output tile ``(ri, cj)``: ``(ks, offsets and mask of the A tile [ri, ks],
+        offsets and mask of the B tile [ks, cj])`` in the dense blocks."""
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < B
+        return (ks, dense + ri[:, None] * B + ks[None, :], (ri < B)[:, None] & kmask[None, :],
+                dense + ks[:, None] * B + cj[None, :], kmask[:, None] & (cj < B)[None, :])
+
+    @triton.jit
+    def _cn_dot3(a_hi, a_lo, b_hi, b_lo, acc, UPCAST: tl.constexpr):
+        """acc + (a_hi + a_lo) @ (b_hi + b_lo) less ``lo·lo`` (below the parts' own rounding): the three bf16
+        tensor-core products ``lo·hi + hi·lo + hi·hi`` with fp32 accumulation."""
+        acc = _dot(a_lo, b_hi, acc, UPCAST)
+        acc = _dot(a_hi, b_lo, acc, UPCAST)
+        return _dot(a_hi, b_hi, acc, UPCAST)
+
+    @triton.jit
+    def _cn_dot(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
         """acc + a @ b for fp32 tiles. PREC "bf16x3": each operand split into two bf16 parts (``x ≈ hi + lo``, 16
-        significant bits) and the three products ``hi·hi + hi·lo + lo·hi`` on the bf16 tensor cores (``lo·lo`` is
-        below the parts' own rounding); otherwise Triton's ``input_precision`` ("ieee", "tf32", "tf32x3")."""
+        significant bits) and :func:`_cn_dot3`; otherwise Triton's ``input_precision`` ("ieee", "tf32", "tf32x3")."""
         if PREC == "bf16x3":
             a_hi, a_lo = _split2(a, tl.bfloat16)
             b_hi, b_lo = _split2(b, tl.bfloat16)
-            acc = tl.dot(a_lo, b_hi, acc)
-            acc = tl.dot(a_hi, b_lo, acc)
-            return tl.dot(a_hi, b_hi, acc)
+            return _cn_dot3(a_hi, a_lo, b_hi, b_lo, acc, UPCAST)
         return tl.dot(a, b, acc, input_precision=PREC)
 
     @triton.jit
@@ -411,11 +459,9 @@ if AVAILABLE:
         jmask = cj < B
         acc = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
         for k0 in range(0, B, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            kmask = ks < B
-            a = _cn_load(a_ptr, dense + ri[:, None] * B + ks[None, :], imask[:, None] & kmask[None, :], EVEN)
-            bt = _cn_load(b_ptr, dense + ks[:, None] * B + cj[None, :], kmask[:, None] & jmask[None, :], EVEN)
-            acc = _cn_dot(a, bt, acc, PREC)
+            ks, a_offs, a_mask, b_offs, b_mask = _cn_kstep(dense, ri, cj, k0, B, BLOCK_K)
+            a = _cn_load(a_ptr, a_offs, a_mask, EVEN)
+            acc = _cn_dot(a, _cn_load(b_ptr, b_offs, b_mask, EVEN), acc, PREC, SOFT_BF16)
         acc = acc * sign
         mask = imask[:, None] & jmask[None, :]
         offs = dense + ri[:, None] * B + cj[None, :]
@@ -453,24 +499,19 @@ if AVAILABLE:
         acc2 = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
         acc3 = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
         for k0 in range(0, B, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            kmask = ks < B
-            a_offs = dense + ri[:, None] * B + ks[None, :]
-            a_mask = imask[:, None] & kmask[None, :]
-            b_offs = dense + ks[:, None] * B + cj[None, :]
-            b_mask = kmask[:, None] & jmask[None, :]
+            ks, a_offs, a_mask, b_offs, b_mask = _cn_kstep(dense, ri, cj, k0, B, BLOCK_K)
             bt = _cn_load(b1_ptr, b_offs, b_mask, EVEN)
             if HAS_X1:
                 bt += c1 * _cn_load(x1_ptr, b_offs, b_mask, EVEN)
-            acc1 = _cn_dot(_cn_load(a1_ptr, a_offs, a_mask, EVEN), bt, acc1, PREC)
+            acc1 = _cn_dot(_cn_load(a1_ptr, a_offs, a_mask, EVEN), bt, acc1, PREC, SOFT_BF16)
             if NPROD >= 2:
                 a2 = _cn_load(a2_ptr, a_offs, a_mask, EVEN)
                 if SYM_A2:
                     a2 += _cn_load(a2_ptr, dense + ks[None, :] * B + ri[:, None], a_mask, EVEN)
-                acc2 = _cn_dot(a2, _cn_load(b2_ptr, b_offs, b_mask, EVEN), acc2, PREC)
+                acc2 = _cn_dot(a2, _cn_load(b2_ptr, b_offs, b_mask, EVEN), acc2, PREC, SOFT_BF16)
             if NPROD >= 3:
                 acc3 = _cn_dot(_cn_load(a3_ptr, a_offs, a_mask, EVEN), _cn_load(b3_ptr, b_offs, b_mask, EVEN), acc3,
-                               PREC)
+                               PREC, SOFT_BF16)
         acc = s1 * acc1
         if NPROD >= 2:
             acc += s2 * acc2
@@ -494,6 +535,76 @@ if AVAILABLE:
             tl.store(out_ptr + offs, _cast_to(acc, out_ptr, SOFT_BF16))
         else:
             tl.store(out_ptr + offs, _cast_to(acc, out_ptr, SOFT_BF16), mask=mask)
+
+    @triton.jit
+    def _cn_parts(ptr, offs, NBB, mask, EVEN: tl.constexpr):
+        """``(hi, lo)``: the tile of an operand stored as its two bf16 parts (see :func:`_store_parts`)."""
+        return _cn_load(ptr, offs, mask, EVEN), _cn_load(ptr + NBB, offs, mask, EVEN)
+
+    @triton.jit
+    def _cn_square_kernel(
+        qs_ptr, q_ptr, q2_ptr, g_ptr, s_ptr, m_ptr, gs_ptr,
+        NPK, N1, NBB, c,
+        B: tl.constexpr, SOFT_BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        # S = Q·Q from Q's two bf16 parts (qs), three bf16 products (fp32 accumulation); the tile's epilogue, with Q's
+        # fp32 tile read from the packed triangles (blocks >= N1 from q2), writes the operands of the next products as
+        # two bf16 parts each (so they are split once, not once per tile that reads them): S -> s, S + c·Q -> m and
+        # Γ (g, fp32) -> gs
+        EVEN: tl.constexpr = B % BLOCK_T == 0 and B % BLOCK_K == 0
+        n_tiles: tl.constexpr = (B + BLOCK_T - 1) // BLOCK_T
+        blk = tl.program_id(0) // (n_tiles * n_tiles)
+        dense, ri, cj = _cn_tile(tl.program_id(0), B, BLOCK_T)
+        imask = ri < B
+        jmask = cj < B
+        acc = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
+        for k0 in range(0, B, BLOCK_K):
+            ks, a_offs, a_mask, b_offs, b_mask = _cn_kstep(dense, ri, cj, k0, B, BLOCK_K)
+            a_hi, a_lo = _cn_parts(qs_ptr, a_offs, NBB, a_mask, EVEN)
+            b_hi, b_lo = _cn_parts(qs_ptr, b_offs, NBB, b_mask, EVEN)
+            acc = _cn_dot3(a_hi, a_lo, b_hi, b_lo, acc, SOFT_BF16)
+        mask = imask[:, None] & jmask[None, :]
+        offs = dense + ri[:, None] * B + cj[None, :]
+        q = _skew_tile(_packed_block(q_ptr, q2_ptr, blk, NPK, N1), ri[:, None], cj[None, :], B)
+        _store_parts(s_ptr, offs, NBB, acc, mask, EVEN)
+        _store_parts(m_ptr, offs, NBB, acc + c * q, mask, EVEN)
+        _store_parts(gs_ptr, offs, NBB, _cn_load(g_ptr, offs, mask, EVEN), mask, EVEN)
+
+    @triton.jit
+    def _cn_psum_kernel(
+        a1_ptr, b1_ptr, a2_ptr, b2_ptr, z1_ptr, out_ptr,
+        NBB, s1, s2, cz1,
+        B: tl.constexpr, SYM_A2: tl.constexpr, SOFT_BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        # out[k] = s1·A1[k]·B1[k] + s2·A2[k]·B2[k] + cz1·Z1[k] with A1, B1, B2 and A2 stored as two bf16 parts each
+        # (:func:`_store_parts`), three bf16 products per pair (fp32 accumulation, one accumulator per product);
+        # SYM_A2: A2 dense fp32 and A2 + A2ᵀ in its place, formed and split in the loads. Z1 and out dense fp32
+        EVEN: tl.constexpr = B % BLOCK_T == 0 and B % BLOCK_K == 0
+        dense, ri, cj = _cn_tile(tl.program_id(0), B, BLOCK_T)
+        imask = ri < B
+        jmask = cj < B
+        acc1 = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
+        for k0 in range(0, B, BLOCK_K):
+            ks, a_offs, a_mask, b_offs, b_mask = _cn_kstep(dense, ri, cj, k0, B, BLOCK_K)
+            a_hi, a_lo = _cn_parts(a1_ptr, a_offs, NBB, a_mask, EVEN)
+            b_hi, b_lo = _cn_parts(b1_ptr, b_offs, NBB, b_mask, EVEN)
+            acc1 = _cn_dot3(a_hi, a_lo, b_hi, b_lo, acc1, SOFT_BF16)
+            if SYM_A2:
+                a2 = _cn_load(a2_ptr, a_offs, a_mask, EVEN)
+                a2 += _cn_load(a2_ptr, dense + ks[None, :] * B + ri[:, None], a_mask, EVEN)
+                a2_hi, a2_lo = _split2(a2, tl.bfloat16)
+            else:
+                a2_hi, a2_lo = _cn_parts(a2_ptr, a_offs, NBB, a_mask, EVEN)
+            b2_hi, b2_lo = _cn_parts(b2_ptr, b_offs, NBB, b_mask, EVEN)
+            acc2 = _cn_dot3(a2_hi, a2_lo, b2_hi, b2_lo, acc2, SOFT_BF16)
+        mask = imask[:, None] & jmask[None, :]
+        offs = dense + ri[:, None] * B + cj[None, :]
+        acc = s1 * acc1 + s2 * acc2 + cz1 * _cn_load(z1_ptr, offs, mask, EVEN)
+        if EVEN:
+            tl.store(out_ptr + offs, acc)
+        else:
+            tl.store(out_ptr + offs, acc, mask=mask)
 
     @triton.jit
     def _sum_splits_kernel(p_ptr, out_ptr, M, n_split, SOFT_BF16: tl.constexpr, BLOCK: tl.constexpr):
@@ -537,6 +648,8 @@ if AVAILABLE:
     _UNPACK = _Launcher(_unpack_kernel)
     _CN_STEP = _Launcher(_cn_step_kernel)
     _CN_SUM = _Launcher(_cn_sum_kernel)
+    _CN_SQUARE = _Launcher(_cn_square_kernel)
+    _CN_PSUM = _Launcher(_cn_psum_kernel)
     _PACK = _Launcher(_pack_kernel)
     _SUM_SPLITS = _Launcher(_sum_splits_kernel)
 
@@ -723,7 +836,11 @@ def _cn_tiles(size: int) -> tuple:
 
 
 def _cn_precision(t: torch.Tensor, precision: Optional[str] = None) -> str:
-    return (precision or CAYLEY_PRECISION) if t.is_cuda else "ieee"
+    """The products' precision: ``precision`` or :data:`CAYLEY_PRECISION` on the GPU; on the CPU (the interpreter)
+    fp32 FMAs unless "bf16x3" is asked for explicitly (tests: its bf16 products run as fp32 dots of the parts)."""
+    if t.is_cuda:
+        return precision or CAYLEY_PRECISION
+    return "bf16x3" if precision == "bf16x3" else "ieee"
 
 
 def _cn_step(a, b, q, v, out, size, *, sign=1.0, beta=0.0, gamma=0.0, nv=0, prec=None):
@@ -758,17 +875,24 @@ def _cn_sum(out, size, prods, *, z1, cz1=1.0, z2=None, cz2=0.0, gamma=0.0, prec=
 
 
 def _dense_skew(packed: torch.Tensor, size: int, second: Optional[torch.Tensor] = None,
-                q: Optional[torch.Tensor] = None) -> torch.Tensor:
+                q: Optional[torch.Tensor] = None, parts: bool = False) -> torch.Tensor:
     """The dense fp32 skew blocks ``Q`` (``[n, b, b]``) of the packed triangles (and of ``second``'s after them), one
-    launch (into ``q`` when given)."""
+    launch (into ``q`` when given); ``parts``: their two bf16 parts instead (:func:`_parts_of` of ``q``)."""
     n1 = packed.shape[0]
     n_blocks = n1 + (0 if second is None else second.shape[0])
     block_t, _, n_tiles, _, _ = _cn_tiles(size)
     if q is None:
         q = torch.empty((n_blocks, size, size), dtype=torch.float32, device=packed.device)
-    _UNPACK((n_blocks * n_tiles * n_tiles,), (packed, packed if second is None else second, q),
-            (size, packed.shape[1], n_tiles, n1), (), (block_t,), 4)
+    out = _parts_of(q) if parts else q
+    _UNPACK((n_blocks * n_tiles * n_tiles,), (packed, packed if second is None else second, out),
+            (size, packed.shape[1], n_tiles, n1, q.numel()), (), (parts, block_t), 4)
     return q
+
+
+def _parts_of(slot: torch.Tensor) -> torch.Tensor:
+    """A contiguous float32 ``[n, b, b]`` slot as the storage of an operand's two bf16 parts: flat, ``2·n·b·b``
+    bfloat16, the high parts first (the kernels read the low part ``n·b·b`` elements after the high one)."""
+    return slot.view(-1).view(torch.bfloat16)
 
 
 def _packed_pair(packed: torch.Tensor, second: Optional[torch.Tensor]) -> tuple:
@@ -781,8 +905,8 @@ def _packed_pair(packed: torch.Tensor, second: Optional[torch.Tensor]) -> tuple:
 
 
 #: dense float32 ``[n_blocks, b, b]`` temporaries of :func:`cayley_forward` / :func:`cayley_backward` at ``k = 3``
-#: (their ``work`` argument)
-WORK_FORWARD, WORK_BACKWARD = 2, 4
+#: (their ``work`` argument; in the backward's split-operand path the parts of an operand take one)
+WORK_FORWARD, WORK_BACKWARD = 2, 5
 
 
 def cayley_forward(packed: torch.Tensor, block_size: int, terms: int,
@@ -809,9 +933,9 @@ def cayley_forward(packed: torch.Tensor, block_size: int, terms: int,
     if n_blocks == 0:
         return out
     work = work if terms == 3 else None
+    p = _cn_precision(packed, precision)
     with _device_ctx(packed):
         q = _dense_skew(packed, b, second, None if work is None else work[0])
-        p = precision
         if terms == 3:  # from Q and S = Q²: G = I + 2Q + 2S + S·(S + 2Q), two launches after the unpack
             sq = _cn_step(q, q, q, None, torch.empty_like(q) if work is None else work[1], b, prec=p)
             _cn_sum(out, b, [(1.0, sq, sq, q, 2.0)], z1=sq, cz1=2.0, z2=q, cz2=2.0, gamma=1.0, prec=p,
@@ -827,11 +951,12 @@ def cayley_forward(packed: torch.Tensor, block_size: int, terms: int,
 
 def cayley_backward(packed: torch.Tensor, grad_g: torch.Tensor, block_size: int, terms: int,
                     second: Optional[torch.Tensor] = None, out: Optional[tuple] = None,
-                    work: Optional[torch.Tensor] = None):
+                    work: Optional[torch.Tensor] = None, precision: Optional[str] = None):
     """``∂L/∂θ`` (``[n_blocks, b(b−1)/2]``, ``packed``'s dtype) from ``Γ = ∂L/∂G``; fp32 products. With ``second``
     (see :func:`cayley_forward`; ``grad_g`` covers both): the pair ``(∂L/∂packed, ∂L/∂second)``. ``out``: the
     contiguous tensor to write the gradient into (with ``second``: the pair of them); ``work``: at ``k = 3``, a
-    contiguous float32 ``[WORK_BACKWARD, n_blocks, b, b]`` tensor for the temporaries."""
+    contiguous float32 ``[WORK_BACKWARD, n_blocks, b, b]`` tensor for the temporaries; ``precision``: the products'
+    (default :data:`CAYLEY_PRECISION` on the GPU)."""
     packed, second, n_blocks = _packed_pair(packed, second)
     b, k = block_size, terms
     if out is None:
@@ -844,11 +969,15 @@ def cayley_backward(packed: torch.Tensor, grad_g: torch.Tensor, block_size: int,
     if n_blocks == 0:
         return out if second is None else (out, out2)
     work = work if k == 3 else None
+    p = _cn_precision(packed, precision)
     with _device_ctx(packed):
-        q = _dense_skew(packed, b, second, None if work is None else work[0])
-        if k == 3:
-            w = _cayley3_backward(q, grad_g.to(torch.float32).contiguous(), b, work)
+        if k == 3 and p == "bf16x3" and SPLIT_OPERANDS:
+            w = _cayley3_backward_parts(packed, second, grad_g.to(torch.float32).contiguous(), b, work)
+        elif k == 3:
+            q = _dense_skew(packed, b, second, None if work is None else work[0])
+            w = _cayley3_backward(q, grad_g.to(torch.float32).contiguous(), b, work, p)
         else:
+            q = _dense_skew(packed, b, second)
             w = _horner_backward(q, grad_g, b, k)
         rows, cols = triu_indices(b, packed.device)
         npk = rows.numel()
@@ -858,7 +987,50 @@ def cayley_backward(packed: torch.Tensor, grad_g: torch.Tensor, block_size: int,
     return out if second is None else (out, out2)
 
 
-def _cayley3_backward(q: torch.Tensor, grad: torch.Tensor, b: int, work: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _cn_square(packed, second, qs, grad, size, c, *, s, m, gs):
+    """One launch of :func:`_cn_square_kernel`: ``S = Q·Q`` from ``Q``'s parts ``qs``, its parts into ``s``, those
+    of ``S + c·Q`` into ``m`` and those of ``Γ`` (``grad``) into ``gs``. Every ``[n, b, b]`` operand is a float32 slot
+    (:func:`_parts_of` for the split ones)."""
+    n_blocks = qs.shape[0]
+    block_t, block_k, n_tiles, warps, stages = _cn_tiles(size)
+    _CN_SQUARE((n_blocks * n_tiles * n_tiles,),
+               (_parts_of(qs), packed, packed if second is None else second, grad, _parts_of(s), _parts_of(m),
+                _parts_of(gs)),
+               (packed.shape[1], packed.shape[0], qs.numel()), (float(c),),
+               # B, SOFT_BF16, BLOCK_T, BLOCK_K
+               (size, not qs.is_cuda, block_t, block_k), warps, stages)
+
+
+def _cn_psum(out, size, p1, p2, *, z1, cz1, sym_a2=False):
+    """One launch of :func:`_cn_psum_kernel`: ``p1`` / ``p2`` are ``(scale, A, B)`` of float32 slots holding split
+    operands (``sym_a2``: ``p2``'s A dense float32, ``A + Aᵀ`` used); ``out`` and ``z1`` dense float32."""
+    n_blocks = z1.shape[0]
+    block_t, block_k, n_tiles, warps, stages = _cn_tiles(size)
+    (s1, a1, b1), (s2, a2, b2) = p1, p2
+    _CN_PSUM((n_blocks * n_tiles * n_tiles,),
+             (_parts_of(a1), _parts_of(b1), a2 if sym_a2 else _parts_of(a2), _parts_of(b2), z1, out),
+             (z1.numel(),), (float(s1), float(s2), float(cz1)),
+             # B, SYM_A2, SOFT_BF16, BLOCK_T, BLOCK_K
+             (size, sym_a2, not z1.is_cuda, block_t, block_k), warps, stages)
+    return out
+
+
+def _cayley3_backward_parts(packed, second, grad, b, work):
+    """:func:`_cayley3_backward`'s ``D`` with bf16x3 products whose operands are split once by their producers
+    (``Q`` by the unpack; ``S``, ``S − 2Q`` and ``Γ`` by the launch that computes ``S``); ``P = ∂L/∂S + (∂L/∂S)ᵀ``
+    is split in the loads of the last launch. Four launches, five products."""
+    if work is None:
+        work = torch.empty((WORK_BACKWARD,) + tuple(grad.shape), dtype=torch.float32, device=grad.device)
+    qs, sq, ms, gs, d_s = work[0], work[1], work[2], work[3], work[4]
+    _dense_skew(packed, b, second, qs, parts=True)
+    _cn_square(packed, second, qs, grad, b, -2.0, s=sq, m=ms, gs=gs)
+    _cn_psum(d_s, b, (1.0, gs, ms), (1.0, sq, gs), z1=grad, cz1=2.0)
+    # D into the slot of S − 2Q (read only by the launch before)
+    return _cn_psum(ms, b, (2.0, sq, gs), (-1.0, d_s, qs), z1=grad, cz1=2.0, sym_a2=True)
+
+
+def _cayley3_backward(q: torch.Tensor, grad: torch.Tensor, b: int, work: Optional[torch.Tensor] = None,
+                      prec: Optional[str] = None) -> torch.Tensor:
     """A dense ``D`` whose packing ``D_ij − D_ji`` is ``∂L/∂θ`` for ``G = I + 2Q + 2S + S·M`` (``S = Q²``, ``M = 2Q +
     S``) from ``Γ`` (dense fp32): with ``Sᵀ = S`` and ``Qᵀ = −Q``, ``∂L/∂S = 2Γ + Γ·(S − 2Q) + S·Γ`` and ``∂L/∂Q = 2Γ +
     2·S·Γ − (∂L/∂S)·Q − Q·(∂L/∂S)``. Only ``∂L/∂Q``'s skew part reaches ``θ``: the skew part of ``∂L/∂S`` adds a
@@ -866,9 +1038,9 @@ def _cayley3_backward(q: torch.Tensor, grad: torch.Tensor, b: int, work: Optiona
     2Γ + 2·S·Γ − P·Q``: three launches, five products (one fewer than the Horner recurrence's six). ``work``: see
     :func:`cayley_backward` (``work[0]`` is ``q``)."""
     sq, d_s, w = (torch.empty_like(q) for _ in range(3)) if work is None else (work[1], work[2], work[3])
-    sq = _cn_step(q, q, q, None, sq, b)
-    d_s = _cn_sum(d_s, b, [(1.0, grad, sq, q, -2.0), (1.0, sq, grad)], z1=grad, cz1=2.0)
-    return _cn_sum(w, b, [(2.0, sq, grad), (-1.0, d_s, q)], z1=grad, cz1=2.0, sym_a2=True)
+    sq = _cn_step(q, q, q, None, sq, b, prec=prec)
+    d_s = _cn_sum(d_s, b, [(1.0, grad, sq, q, -2.0), (1.0, sq, grad)], z1=grad, cz1=2.0, prec=prec)
+    return _cn_sum(w, b, [(2.0, sq, grad), (-1.0, d_s, q)], z1=grad, cz1=2.0, sym_a2=True, prec=prec)
 
 
 def _horner_backward(q: torch.Tensor, grad_g: torch.Tensor, b: int, k: int) -> torch.Tensor:

@@ -101,7 +101,7 @@ def _settings() -> tuple:
     """What the launchers' choices depend on besides the tensors: the kernels' tile and precision settings."""
     k = _kernels
     return (tuple(k.ROTATE_CONFIG.items()), tuple(k.OUTER_CONFIG.items()), tuple(k.GATHER_CONFIG.items()),
-            tuple(k.CAYLEY_CONFIG.items()), k.CAYLEY_PRECISION, k.SPLIT_PARTS, SPLIT_BLOCKS)
+            tuple(k.CAYLEY_CONFIG.items()), k.CAYLEY_PRECISION, k.SPLIT_OPERANDS, k.SPLIT_PARTS, SPLIT_BLOCKS)
 
 
 def _segment(key: tuple, named: tuple, run: Callable[[], None], stream: int) -> None:

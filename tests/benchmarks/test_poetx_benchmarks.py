@@ -159,17 +159,17 @@ def test_model_plan_priority_order(bench):
     names = [(c["name"], c["layers"]) for c in cfgs]
     assert len(names) == len(set(names))
     # 1. the targets at full depth come first, then fast mode with the batched series, with no launch replayed,
-    # replayed from Python without launch programs, and with the series' products in 3xTF32
+    # replayed from Python without launch programs, and with the series' operands split in the products' loads
     assert names[:9] == [("adamw", 32), ("poetx-fast-b256", 32), ("poetx-mem-b256", 32), ("poetx-int8-b256", 32),
                          ("lora-r160", 32), ("poetx-fast-b256-batched", 32), ("poetx-fast-b256-launchers", 32),
-                         ("poetx-fast-b256-py-replay", 32), ("poetx-fast-b256-tf32x3", 32)]
+                         ("poetx-fast-b256-py-replay", 32), ("poetx-fast-b256-load-split", 32)]
     assert cfgs[5]["series"] == "batched" and "series" not in cfgs[1]
     assert cfgs[6]["launch"] == "launchers" and "launch" not in cfgs[1] and "series" not in cfgs[6]
     assert cfgs[7]["launch"] == "py-replay"
-    assert cfgs[8]["series_precision"] == "tf32x3" and not any("series_precision" in c for c in cfgs[:8])
+    assert cfgs[8]["split_operands"] is False and not any("split_operands" in c for c in cfgs[:8])
     # 2. b=512 at full depth, 3. the same eight configs at 8 layers, 4. the extra rows at full depth
     assert names[9:12] == [(f"poetx-{k}-b512", 32) for k in ("fast", "mem", "int8")]
-    eight = sorted(n for n, _ in names[:12] if not n.endswith(("-batched", "-launchers", "-py-replay", "-tf32x3")))
+    eight = sorted(n for n, _ in names[:12] if not n.endswith(("-batched", "-launchers", "-py-replay", "-load-split")))
     assert sorted(n for n, L in names[12:20]) == eight and {L for _, L in names[12:20]} == {8}
     assert names[20:] == [("poetx-fast-b256-qbf16", 32), ("poetx-mem-b256-qbf16", 32), ("adamw-foreach", 32),
                           ("adamw-fp32-master", 32)]
@@ -369,6 +369,7 @@ def test_step_profile_tiny_end_to_end(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["tiny"] and [row["config"] for row in doc["rows"]] == ["adamw", "poetx-fast", "poetx-fast-batched",
                                                                       "poetx-fast-launchers", "poetx-fast-py-replay",
-                                                                      "poetx-fast-tf32x3", "poetx-mem"]
+                                                                      "poetx-fast-tf32x3", "poetx-fast-load-split",
+                                                                      "poetx-mem"]
     for row in doc["rows"]:
         assert row["wall_ms"] > 0 and row["host_ms"] > 0 and row["gpu_kernel_ms"] > 0 and row["kernels"]

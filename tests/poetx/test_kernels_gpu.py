@@ -138,6 +138,49 @@ def test_cayley(b, terms):
     assert abs(orthogonality_error(gk).item() - orth64) <= 1e-4 * max(orth64, 1e-3)
 
 
+@pytest.mark.parametrize("qdt", [F32, BF16], ids=str)
+@pytest.mark.parametrize("b, n1, n2", [(256, 16, 56), (512, 8, 0), (100, 3, 2)], ids=str)
+def test_cayley_split_operands(b, n1, n2, qdt, monkeypatch):
+    """A training step's bf16x3 series whose backward reads each operand split once by the launch that produces it
+    (``SPLIT_OPERANDS``) against the products that split every operand tile in their loads and against the float64
+    series: the same parts multiplied, so the two kernel paths agree to float32 roundings, and both hold the 2^-16
+    bound; a pair of packed tensors (the two sides of a layer), ``work=`` and the forward's ``split=`` output; b=100
+    takes the masked tiles."""
+    monkeypatch.setattr(K, "CAYLEY_PRECISION", "bf16x3")
+    gen = torch.Generator(DEV).manual_seed(b + n1)
+    first = (torch.randn(n1, skew_size(b), generator=gen, device=DEV) * (0.3 / b ** 0.5)).to(qdt)
+    second = (torch.randn(n2, skew_size(b), generator=gen, device=DEV) * (0.3 / b ** 0.5)).to(qdt) if n2 else None
+    n = n1 + n2
+    grad_g = torch.randn(n, b, b, generator=gen, device=DEV)
+    both = first if second is None else torch.cat([first, second])
+    p64 = both.double().requires_grad_()  # float64: the PyTorch series (the kernels take no float64)
+    g64 = cayley_neumann(p64, b, 3)
+    g64.backward(grad_g.double())
+    g64, d64 = g64.detach(), p64.grad
+
+    def run(split_operands, work):
+        monkeypatch.setattr(K, "SPLIT_OPERANDS", split_operands)
+        wf = torch.full((K.WORK_FORWARD, n, b, b), float("nan"), device=DEV) if work else None
+        wb = torch.full((K.WORK_BACKWARD, n, b, b), float("nan"), device=DEV) if work else None
+        g = K.cayley_forward(first, b, 3, second, work=wf)
+        d = K.cayley_backward(first, grad_g.to(qdt), b, 3, second, work=wb)
+        return g, (d if second is None else torch.cat(d))
+
+    g0, d0 = run(False, False)
+    for work in (False, True):
+        g1, d1 = run(True, work)
+        assert g1.dtype == d1.dtype == qdt
+        if qdt == F32:
+            assert _rel(g1, g0) <= 1e-6 and _rel(d1, d0) <= 1e-6, (_rel(g1, g0), _rel(d1, d0))
+            assert _rel(g1, g64) <= 2 ** -16 and _rel(d1, d64) <= 2 ** -16
+        else:  # one bf16 rounding of the result
+            assert _rel(g1, g64) <= 2 ** -8 and _rel(d1, d64) <= 2 ** -8
+    if qdt == F32:
+        hi, lo = (torch.empty(n, b, b, dtype=BF16, device=DEV) for _ in range(2))
+        K.cayley_forward(first, b, 3, second, split=(hi, lo))
+        assert _rel(hi.double() + lo.double(), g64) <= 2 ** -15
+
+
 @pytest.mark.parametrize("entry", ["blocks", "packed"])
 @pytest.mark.parametrize("mode", ["fast", "mem"])
 @pytest.mark.parametrize("d_in, d_out, b, n", [(4096, 4096, 256, 2048), (4096, 14336, 512, 2048),

@@ -369,6 +369,41 @@ else:
             if qdt == F32:
                 assert ek <= 1e-6, f"{name}: {ek:.3g}"
 
+    @pytest.mark.parametrize("qdt", [F32, BF16], ids=lambda v: str(v).replace("torch.", ""))
+    @pytest.mark.parametrize("b, n1, n2", [(16, 2, 3), (5, 1, 2), (32, 2, 0)], ids=str)
+    def test_cayley_bf16x3_split_operands(qdt, b, n1, n2):
+        """A training step's series (``precision="bf16x3"``, the GPU default): the forward's products split their
+        operand tiles in the loads, the backward's read operands split once into two bf16 parts by the launches that
+        produce them. G and the gradient within ~16 significant bits of the float64 oracle (the bf16x3 products keep 16
+        bits of each operand), for one packed tensor and for a pair, with and without ``work=`` and with ``split=``
+        output; odd block sizes take the masked loads."""
+        gen = torch.Generator().manual_seed(b + n1 + n2)
+        first = (torch.randn(n1, skew_size(b), generator=gen, dtype=F64) * 0.3 / b ** 0.5).to(qdt)
+        second = (torch.randn(n2, skew_size(b), generator=gen, dtype=F64) * 0.3 / b ** 0.5).to(qdt) if n2 else None
+        n = n1 + n2
+        grad_g = torch.randn(n, b, b, generator=gen, dtype=F64)
+        both = first if second is None else torch.cat([first, second])
+        p64 = both.double().requires_grad_()
+        g64 = oracle.series(oracle.skew(p64, b), 3)
+        g64.backward(grad_g)
+        work_f = torch.full((K.WORK_FORWARD, n, b, b), float("nan"))
+        work_b = torch.full((K.WORK_BACKWARD, n, b, b), float("nan"))
+        for work in (None, (work_f, work_b)):
+            g = K.cayley_forward(first, b, 3, second, precision="bf16x3", work=None if work is None else work[0])
+            grad = K.cayley_backward(first, grad_g.to(qdt), b, 3, second, precision="bf16x3",
+                                     work=None if work is None else work[1])
+            grad = grad if second is None else torch.cat(grad)
+            assert g.dtype == grad.dtype == qdt
+            # 16 bits per operand; the interpreter's casts truncate where the GPU's round (one bit more error; the
+            # GPU test holds the series to 2^-16)
+            tol = 2 ** -15 if qdt == F32 else 2 ** -8
+            assert _rel(g, g64) <= tol and _rel(grad, p64.grad) <= tol, (_rel(g, g64), _rel(grad, p64.grad))
+            assert _rel(g, g64) > 0  # the bf16x3 path ran (fp32 FMAs would be within ~1e-7)
+        if qdt == F32:
+            hi, lo = torch.empty(n, b, b, dtype=BF16), torch.empty(n, b, b, dtype=BF16)
+            K.cayley_forward(first, b, 3, second, precision="bf16x3", split=(hi, lo))
+            assert _rel(hi.double() + lo.double(), g64) <= 2 ** -14
+
     def test_cayley_backward_is_the_adjoint():
         """⟨Γ, dG(δθ)⟩ = ⟨∂L/∂θ, δθ⟩ for a directional derivative of the float64 series."""
         gen = torch.Generator().manual_seed(11)
