@@ -129,8 +129,8 @@ CAYLEY_PRECISION = "bf16x3"
 #: the series backward with bf16x3 products at ``k = 3``: each operand of its products split into its two bf16 parts
 #: once, by the launch that produces it, and stored as the two parts (:func:`_cayley3_backward_parts`); False: the
 #: products split every fp32 tile they load (each operand tile once per output tile reading it), as the forward does.
-#: Measured on an H100 (b=256, 72 / 1024 blocks): backward 0.213 / 2.459 ms against 0.229 / 2.771 ms; the forward
-#: (one product after the square) measured slower with split operands (0.101 / 1.156 against 0.095 / 1.095 ms: the
+#: Measured on an H100 (b=256, 72 / 1024 blocks): backward 0.209 / 2.470 ms against 0.229 / 2.714 ms; the forward
+#: (one product after the square), tried the same way, measured slower (0.101 / 1.156 against 0.095 / 1.095 ms: the
 #: parts' extra stores cost more than the conversions they save) and splits in its loads
 SPLIT_OPERANDS = True
 #: the same for the series of a merge or an export (:func:`cayley_forward` with ``precision``), whose blocks are
