@@ -373,17 +373,6 @@ if AVAILABLE:
         return q2_ptr + (blk - N1).to(tl.int64) * NPK
 
     @triton.jit
-    def _store_parts(ptr, offs, NBB, x, mask, EVEN: tl.constexpr):
-        """An fp32 tile as its two bf16 parts (:func:`_split2`): ``hi`` at ``ptr``, ``lo`` ``NBB`` elements later."""
-        hi, lo = _split2(x, tl.bfloat16)
-        if EVEN:
-            tl.store(ptr + offs, hi)
-            tl.store(ptr + NBB + offs, lo)
-        else:
-            tl.store(ptr + offs, hi, mask=mask)
-            tl.store(ptr + NBB + offs, lo, mask=mask)
-
-    @triton.jit
     def _unpack_kernel(q_ptr, q2_ptr, out_ptr, B, NPK, n_tiles, N1, NBB, PARTS: tl.constexpr, BLOCK_T: tl.constexpr):
         # out[k] = the dense skew Q of block k, one tile per program (blocks k >= N1 from q2): fp32, or (PARTS) its
         # two bf16 parts, the low part NBB elements after the high one
@@ -407,6 +396,20 @@ if AVAILABLE:
         return tl.load(ptr + offs, mask=mask, other=0.0)
 
     @triton.jit
+    def _cn_store(ptr, offs, x, mask, EVEN: tl.constexpr):
+        if EVEN:
+            tl.store(ptr + offs, x)
+        else:
+            tl.store(ptr + offs, x, mask=mask)
+
+    @triton.jit
+    def _store_parts(ptr, offs, NBB, x, mask, EVEN: tl.constexpr):
+        """An fp32 tile as its two bf16 parts (:func:`_split2`): ``hi`` at ``ptr``, ``lo`` ``NBB`` elements later."""
+        hi, lo = _split2(x, tl.bfloat16)
+        _cn_store(ptr, offs, hi, mask, EVEN)
+        _cn_store(ptr + NBB, offs, lo, mask, EVEN)
+
+    @triton.jit
     def _cn_tile(pid, B: tl.constexpr, BLOCK_T: tl.constexpr):
         """(block offset, rows, columns) of program ``pid``: blocks of ``B×B`` in ``BLOCK_T`` tiles, the tiles of one
         block in consecutive programs."""
@@ -425,6 +428,11 @@ if AVAILABLE:
         kmask = ks < B
         return (ks, dense + ri[:, None] * B + ks[None, :], (ri < B)[:, None] & kmask[None, :],
                 dense + ks[:, None] * B + cj[None, :], kmask[:, None] & (cj < B)[None, :])
+
+    @triton.jit
+    def _cn_out(dense, ri, cj, B: tl.constexpr):
+        """``(offsets, mask)`` of output tile ``(ri, cj)`` in the dense blocks."""
+        return dense + ri[:, None] * B + cj[None, :], (ri < B)[:, None] & (cj < B)[None, :]
 
     @triton.jit
     def _cn_dot3(a_hi, a_lo, b_hi, b_lo, acc, UPCAST: tl.constexpr):
@@ -455,26 +463,20 @@ if AVAILABLE:
         # A, B, Q, V: dense fp32 [n, B, B] blocks
         EVEN: tl.constexpr = B % BLOCK_T == 0 and B % BLOCK_K == 0
         dense, ri, cj = _cn_tile(tl.program_id(0), B, BLOCK_T)
-        imask = ri < B
-        jmask = cj < B
         acc = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
         for k0 in range(0, B, BLOCK_K):
             ks, a_offs, a_mask, b_offs, b_mask = _cn_kstep(dense, ri, cj, k0, B, BLOCK_K)
             a = _cn_load(a_ptr, a_offs, a_mask, EVEN)
             acc = _cn_dot(a, _cn_load(b_ptr, b_offs, b_mask, EVEN), acc, PREC, SOFT_BF16)
         acc = acc * sign
-        mask = imask[:, None] & jmask[None, :]
-        offs = dense + ri[:, None] * B + cj[None, :]
+        offs, mask = _cn_out(dense, ri, cj, B)
         if ADD_Q:
             acc += beta * _cn_load(q_ptr, offs, mask, EVEN)
         acc += tl.where(ri[:, None] == cj[None, :], gamma, 0.0)
         for v in range(0, nv):
             coef = tl.where(v == nv - 1, 1.0, 2.0)
             acc += coef * _cn_load(v_ptr + v * stride_v, offs, mask, EVEN)
-        if EVEN:
-            tl.store(out_ptr + offs, _cast_to(acc, out_ptr, SOFT_BF16))
-        else:
-            tl.store(out_ptr + offs, _cast_to(acc, out_ptr, SOFT_BF16), mask=mask)
+        _cn_store(out_ptr, offs, _cast_to(acc, out_ptr, SOFT_BF16), mask, EVEN)
 
     @triton.jit
     def _cn_sum_kernel(
@@ -493,8 +495,6 @@ if AVAILABLE:
         # tile scaled by its s, measured 25% slower: 19.9 against 15.9 ms per 8-layer step)
         EVEN: tl.constexpr = B % BLOCK_T == 0 and B % BLOCK_K == 0
         dense, ri, cj = _cn_tile(tl.program_id(0), B, BLOCK_T)
-        imask = ri < B
-        jmask = cj < B
         acc1 = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
         acc2 = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
         acc3 = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
@@ -517,24 +517,17 @@ if AVAILABLE:
             acc += s2 * acc2
         if NPROD >= 3:
             acc += s3 * acc3
-        mask = imask[:, None] & jmask[None, :]
-        offs = dense + ri[:, None] * B + cj[None, :]
+        offs, mask = _cn_out(dense, ri, cj, B)
         acc += cz1 * _cn_load(z1_ptr, offs, mask, EVEN)
         if HAS_Z2:
             acc += cz2 * _cn_load(z2_ptr, offs, mask, EVEN)
         acc += tl.where(ri[:, None] == cj[None, :], gamma, 0.0)
         if SPLIT:
             hi, lo = _split2(acc, out_ptr.dtype.element_ty)
-            if EVEN:
-                tl.store(out_ptr + offs, hi)
-                tl.store(lo_ptr + offs, lo)
-            else:
-                tl.store(out_ptr + offs, hi, mask=mask)
-                tl.store(lo_ptr + offs, lo, mask=mask)
-        elif EVEN:
-            tl.store(out_ptr + offs, _cast_to(acc, out_ptr, SOFT_BF16))
+            _cn_store(out_ptr, offs, hi, mask, EVEN)
+            _cn_store(lo_ptr, offs, lo, mask, EVEN)
         else:
-            tl.store(out_ptr + offs, _cast_to(acc, out_ptr, SOFT_BF16), mask=mask)
+            _cn_store(out_ptr, offs, _cast_to(acc, out_ptr, SOFT_BF16), mask, EVEN)
 
     @triton.jit
     def _cn_parts(ptr, offs, NBB, mask, EVEN: tl.constexpr):
@@ -555,16 +548,13 @@ if AVAILABLE:
         n_tiles: tl.constexpr = (B + BLOCK_T - 1) // BLOCK_T
         blk = tl.program_id(0) // (n_tiles * n_tiles)
         dense, ri, cj = _cn_tile(tl.program_id(0), B, BLOCK_T)
-        imask = ri < B
-        jmask = cj < B
         acc = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
         for k0 in range(0, B, BLOCK_K):
             ks, a_offs, a_mask, b_offs, b_mask = _cn_kstep(dense, ri, cj, k0, B, BLOCK_K)
             a_hi, a_lo = _cn_parts(qs_ptr, a_offs, NBB, a_mask, EVEN)
             b_hi, b_lo = _cn_parts(qs_ptr, b_offs, NBB, b_mask, EVEN)
             acc = _cn_dot3(a_hi, a_lo, b_hi, b_lo, acc, SOFT_BF16)
-        mask = imask[:, None] & jmask[None, :]
-        offs = dense + ri[:, None] * B + cj[None, :]
+        offs, mask = _cn_out(dense, ri, cj, B)
         q = _skew_tile(_packed_block(q_ptr, q2_ptr, blk, NPK, N1), ri[:, None], cj[None, :], B)
         _store_parts(s_ptr, offs, NBB, acc, mask, EVEN)
         _store_parts(m_ptr, offs, NBB, acc + c * q, mask, EVEN)
@@ -581,8 +571,6 @@ if AVAILABLE:
         # SYM_A2: A2 dense fp32 and A2 + A2ᵀ in its place, formed and split in the loads. Z1 and out dense fp32
         EVEN: tl.constexpr = B % BLOCK_T == 0 and B % BLOCK_K == 0
         dense, ri, cj = _cn_tile(tl.program_id(0), B, BLOCK_T)
-        imask = ri < B
-        jmask = cj < B
         acc1 = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
         acc2 = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
         for k0 in range(0, B, BLOCK_K):
@@ -598,13 +586,9 @@ if AVAILABLE:
                 a2_hi, a2_lo = _cn_parts(a2_ptr, a_offs, NBB, a_mask, EVEN)
             b2_hi, b2_lo = _cn_parts(b2_ptr, b_offs, NBB, b_mask, EVEN)
             acc2 = _cn_dot3(a2_hi, a2_lo, b2_hi, b2_lo, acc2, SOFT_BF16)
-        mask = imask[:, None] & jmask[None, :]
-        offs = dense + ri[:, None] * B + cj[None, :]
+        offs, mask = _cn_out(dense, ri, cj, B)
         acc = s1 * acc1 + s2 * acc2 + cz1 * _cn_load(z1_ptr, offs, mask, EVEN)
-        if EVEN:
-            tl.store(out_ptr + offs, acc)
-        else:
-            tl.store(out_ptr + offs, acc, mask=mask)
+        _cn_store(out_ptr, offs, acc, mask, EVEN)
 
     @triton.jit
     def _sum_splits_kernel(p_ptr, out_ptr, M, n_split, SOFT_BF16: tl.constexpr, BLOCK: tl.constexpr):
@@ -971,11 +955,13 @@ def cayley_backward(packed: torch.Tensor, grad_g: torch.Tensor, block_size: int,
     work = work if k == 3 else None
     p = _cn_precision(packed, precision)
     with _device_ctx(packed):
-        if k == 3 and p == "bf16x3" and SPLIT_OPERANDS:
-            w = _cayley3_backward_parts(packed, second, grad_g.to(torch.float32).contiguous(), b, work)
-        elif k == 3:
-            q = _dense_skew(packed, b, second, None if work is None else work[0])
-            w = _cayley3_backward(q, grad_g.to(torch.float32).contiguous(), b, work, p)
+        if k == 3:
+            grad32 = grad_g.to(torch.float32).contiguous()
+            if p == "bf16x3" and SPLIT_OPERANDS:
+                w = _cayley3_backward_parts(packed, second, grad32, b, work)
+            else:
+                w = _cayley3_backward(_dense_skew(packed, b, second, None if work is None else work[0]), grad32, b,
+                                      work, p)
         else:
             q = _dense_skew(packed, b, second)
             w = _horner_backward(q, grad_g, b, k)
