@@ -18,6 +18,7 @@ product precisions).
 Usage:
   python benchmarks/poetx_bench.py --out poetx_bench.json                  # CUDA, the layer grid (~2 min on an H200)
   python benchmarks/poetx_bench.py --sections ops --out poetx_ops.json     # the single operations
+  python benchmarks/poetx_bench.py --sections permute --out permute.json   # the permutation pass vs a plain copy
   python benchmarks/poetx_bench.py --device cpu --tiny --out /tmp/x.json   # tiny shapes on CPU: checks the script
 """
 
@@ -485,6 +486,48 @@ def run_series(device: str, tiny: bool) -> list:
     return rows
 
 
+def run_permute(device: str, tiny: bool) -> list:
+    """The permutation pass alone (``gather``, bf16, a random permutation of the features) at the widths of a
+    Llama-8B layer (1024, 4096, 14336) and 1024 / 2048 / 8192 tokens: the kernel at its default tiling and under
+    each of ``GATHER_SWEEP``, beside ``index_select`` and a plain copy of the same bytes (the memory-bound floor);
+    the first call of each configuration is timed apart (it includes the kernel's compilation)."""
+    timer = _timer(device, reps=3 if tiny else 10)
+    rows = []
+    for n in ((16,) if tiny else (1024, 2048, 8192)):
+        for d in ((64, 100) if tiny else (1024, 4096, 14336)):
+            t = torch.randn(n, d, device=device, dtype=torch.bfloat16)
+            perm = torch.randperm(d, device=device)
+            want = t.index_select(-1, perm)
+            gb = 2 * t.numel() * t.element_size() / 1e9  # read once, written once
+
+            def record(variant, fn, first_ms=None):
+                ms = timer(fn)
+                rows.append(dict(tokens=n, d=d, variant=variant, ms=ms, gb_per_s=gb / ms * 1e3, first_ms=first_ms))
+                first = "" if first_ms is None else f"  (first call {first_ms:9.1f} ms)"
+                print(f"permute tokens {n:5d} d {d:6d}  {variant:<52} {ms:8.4f} ms {gb / ms * 1e3:7.0f} GB/s{first}",
+                      flush=True)
+
+            record("copy (floor)", lambda: torch.empty_like(t).copy_(t))
+            record("index_select", lambda: t.index_select(-1, perm))
+            if not poetx_kernels.applies(t):
+                continue
+            for cfg in [{}] + GATHER_SWEEP:
+                saved = poetx_kernels.GATHER_CONFIG
+                poetx_kernels.GATHER_CONFIG = cfg
+                try:
+                    t0 = time.perf_counter()
+                    got = poetx_kernels.gather(t, perm)
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    first_ms = (time.perf_counter() - t0) * 1e3
+                    if not torch.equal(got, want):
+                        raise AssertionError(f"gather {cfg} differs from index_select at {n}x{d}")
+                    record(f"kernels {cfg or 'default'}", lambda: poetx_kernels.gather(t, perm), first_ms)
+                finally:
+                    poetx_kernels.GATHER_CONFIG = saved
+    return rows
+
+
 #: tile configurations of the rotate section (``ROTATE_CONFIG`` values; "stages": Triton's software pipelining)
 ROTATE_TILES = [dict(block_m=64, block_c=128, block_k=32, warps=4), dict(block_m=128, block_c=128, block_k=32, warps=8),
                 dict(block_m=128, block_c=128, block_k=32, warps=8, stages=3),
@@ -552,7 +595,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (checks the script, measures nothing useful)")
     ap.add_argument("--sections", default="layer", help="comma separated: layer (the layer grid), ops, "
                     "profile (GPU time per kernel), host (cProfile), series (the Cayley–Neumann series alone), "
-                    "rotate (the block product's tiles)")
+                    "rotate (the block product's tiles), permute (the permutation pass)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma separated subset of {VARIANTS}")
     ap.add_argument("--sweep", action="store_true", help="ops: also the tile configurations of ROTATE_SWEEP / "
                     "OUTER_SWEEP / GATHER_SWEEP / CAYLEY_SWEEP")
@@ -569,7 +612,7 @@ def main() -> None:
         ap.error("no CUDA device (use --device cpu --tiny to check the script)")
     torch.manual_seed(0)
     sections = [x for x in a.sections.split(",") if x]
-    known = {"layer", "ops", "profile", "host", "series", "rotate"}
+    known = {"layer", "ops", "profile", "host", "series", "rotate", "permute"}
     if set(sections) - known:
         ap.error(f"unknown sections {sorted(set(sections) - known)}")
     rows = run(a.device, a.tiny, variants) if "layer" in sections else []
@@ -578,6 +621,7 @@ def main() -> None:
     host_rows = run_host(a.device, a.tiny) if "host" in sections else []
     series_rows = run_series(a.device, a.tiny) if "series" in sections else []
     rotate_rows = run_rotate(a.device, a.tiny) if "rotate" in sections else []
+    permute_rows = run_permute(a.device, a.tiny) if "permute" in sections else []
     device = torch.cuda.get_device_name() if a.device == "cuda" else platform.processor()
     meta = dict(torch=torch.__version__, device=device, triton_kernels=poetx_kernels.AVAILABLE and a.device == "cuda",
                 tiny=a.tiny)
@@ -590,7 +634,7 @@ def main() -> None:
     if a.out:
         with open(a.out, "w") as f:
             json.dump(dict(meta=meta, rows=rows, ops=op_rows, profile=profile_rows, host=host_rows,
-                           series=series_rows, rotate=rotate_rows), f, indent=1)
+                           series=series_rows, rotate=rotate_rows, permute=permute_rows), f, indent=1)
         print(f"wrote {a.out}")
 
 

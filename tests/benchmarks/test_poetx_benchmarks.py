@@ -352,6 +352,19 @@ def test_layer_bench_tiny_plain_variant(tmp_path):
     assert all(x["ms"] > 0 for x in rows)
 
 
+def test_permute_section_tiny(tmp_path):
+    """The permutation-pass section runs and records its reference rows (the kernels' rows need the GPU)."""
+    out = tmp_path / "permute.json"
+    r = subprocess.run([sys.executable, os.path.join(BENCH, "poetx_bench.py"), "--device", "cpu", "--tiny",
+                        "--sections", "permute", "--out", str(out)], capture_output=True, text=True, env=_env(),
+                       cwd=REPO, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads(out.read_text())["permute"]
+    assert {(x["d"], x["variant"]) for x in rows} == {(d, v) for d in (64, 100) for v in ("copy (floor)",
+                                                                                         "index_select")}
+    assert all(x["ms"] > 0 and x["gb_per_s"] > 0 for x in rows)
+
+
 def test_run_h200_lists_the_poetx_subcommands():
     r = subprocess.run(["bash", os.path.join(BENCH, "run_h200.sh"), "nope"], capture_output=True, text=True)
     assert r.returncode == 2
