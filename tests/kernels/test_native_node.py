@@ -287,7 +287,8 @@ if not _INNER:
             assert mod.stats()["native"] == before["native"] and mod.stats()["fast"] == before["fast"] + 2
             assert sum(len(c.calls) for c in compiled) == 2
         finally:
-            mod.set_native_launch(False)
+            # back to what the node decided when it was loaded (on a GPU: the direct launch on, for the tests after)
+            mod.set_native_launch(native.launch_status() == "direct")
             mod.testing_record_native(None)
             mod.testing_host_templates(False)
             native.clear_templates()
