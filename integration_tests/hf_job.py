@@ -105,6 +105,12 @@ def main() -> None:
             json.dump({"losses": losses, "final_state": state, "world_size": trainer.args.world_size,
                        "engine": engine, "fsdp": bool(getattr(trainer, "is_fsdp_enabled", False))}, f)
     print(json.dumps({"losses": losses, **state}))
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():  # torchrun workers: end the process group before exiting (a
+        # group left to the interpreter's exit can abort the process: "terminate called without an active exception")
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
