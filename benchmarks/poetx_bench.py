@@ -488,9 +488,9 @@ def run_series(device: str, tiny: bool) -> list:
 
 def run_permute(device: str, tiny: bool) -> list:
     """The permutation pass alone (``gather``, bf16, a random permutation of the features) at the widths of a
-    Llama-8B layer (1024, 4096, 14336) and 1024 / 2048 / 8192 tokens: the kernel at its default tiling and under
-    each of ``GATHER_SWEEP``, beside ``index_select`` and a plain copy of the same bytes (the memory-bound floor);
-    the first call of each configuration is timed apart (it includes the kernel's compilation)."""
+    Llama-8B layer (1024, 4096, 14336) and 1024 / 2048 / 8192 tokens: the kernel at its default tiling (its tiles
+    are swept by ``--sections ops --sweep``), beside ``index_select`` and a plain copy of the same bytes (the
+    memory-bound floor); the kernel's first call is timed apart (it includes its compilation)."""
     timer = _timer(device, reps=3 if tiny else 10)
     rows = []
     for n in ((16,) if tiny else (1024, 2048, 8192)):
@@ -511,20 +511,14 @@ def run_permute(device: str, tiny: bool) -> list:
             record("index_select", lambda: t.index_select(-1, perm))
             if not poetx_kernels.applies(t):
                 continue
-            for cfg in [{}] + GATHER_SWEEP:
-                saved = poetx_kernels.GATHER_CONFIG
-                poetx_kernels.GATHER_CONFIG = cfg
-                try:
-                    t0 = time.perf_counter()
-                    got = poetx_kernels.gather(t, perm)
-                    if device == "cuda":
-                        torch.cuda.synchronize()
-                    first_ms = (time.perf_counter() - t0) * 1e3
-                    if not torch.equal(got, want):
-                        raise AssertionError(f"gather {cfg} differs from index_select at {n}x{d}")
-                    record(f"kernels {cfg or 'default'}", lambda: poetx_kernels.gather(t, perm), first_ms)
-                finally:
-                    poetx_kernels.GATHER_CONFIG = saved
+            t0 = time.perf_counter()
+            got = poetx_kernels.gather(t, perm)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            first_ms = (time.perf_counter() - t0) * 1e3
+            if not torch.equal(got, want):
+                raise AssertionError(f"gather differs from index_select at {n}x{d}")
+            record("kernels", lambda: poetx_kernels.gather(t, perm), first_ms)
     return rows
 
 
