@@ -25,6 +25,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -105,9 +106,6 @@ def run(device: str, tiny: bool, variants: list) -> list:
                     if variant == "linear" and b != blocks[0]:
                         continue  # nn.Linear has no block size: measured once per shape and batch
                     layer = _layer(variant, weight, b)
-                    poetx_kernels.ENABLED = variant != "poetx-fast-torch"
-                    # "-f32blocks": the series writes float32 blocks that each block product splits again
-                    poetx_replay.SPLIT_BLOCKS = variant != "poetx-fast-f32blocks"
 
                     def step(layer=layer):
                         x.grad = None
@@ -115,7 +113,9 @@ def run(device: str, tiny: bool, variants: list) -> list:
                         for p in layer.parameters():
                             p.grad = None
 
-                    try:
+                    # "-f32blocks": the series writes float32 blocks that each block product splits again
+                    with _settings(poetx_kernels, ENABLED=variant != "poetx-fast-torch"), \
+                            _settings(poetx_replay, SPLIT_BLOCKS=variant != "poetx-fast-f32blocks"):
                         step()  # compiles the kernels, fills the caches
                         if device == "cuda":
                             torch.cuda.synchronize()
@@ -127,8 +127,6 @@ def run(device: str, tiny: bool, variants: list) -> list:
                         else:
                             peak_mb = None
                         ms = timer(step)
-                    finally:
-                        poetx_kernels.ENABLED = poetx_replay.SPLIT_BLOCKS = True
                     if variant == "linear":
                         base_ms = ms
                     rows.append(dict(d_in=d_in, d_out=d_out, batch=batch, seq=seq, block=b, variant=variant, ms=ms,
@@ -168,12 +166,8 @@ def run_ops(device: str, tiny: bool, sweep: bool = False) -> list:
 
     def record_with(attr, value, *args):
         """``record(*args)`` with ``poetx_kernels.<attr>`` set to ``value`` (restored afterwards)."""
-        saved = getattr(poetx_kernels, attr)
-        setattr(poetx_kernels, attr, value)
-        try:
+        with _settings(poetx_kernels, **{attr: value}):
             record(*args)
-        finally:
-            setattr(poetx_kernels, attr, saved)
 
     poetx_kernels.BLOCK_OUTER = True  # each operation's kernel against PyTorch, the block-gradient kernel included
     for b in (TINY["blocks"] if tiny else BLOCKS):
@@ -202,11 +196,8 @@ def run_ops(device: str, tiny: bool, sweep: bool = False) -> list:
                 if op in ("rotate", "rotate-T", "block_outer"):
                     variants.append(("kernels, permutation fused", True, True))
                 for name, enabled, fused in variants:
-                    poetx_kernels.ENABLED, poetx_kernels.PERMUTE_FUSED = enabled, fused
-                    try:
+                    with _settings(poetx_kernels, ENABLED=enabled, PERMUTE_FUSED=fused):
                         record(op, n, b, name, fn)
-                    finally:
-                        poetx_kernels.ENABLED, poetx_kernels.PERMUTE_FUSED = True, False
             if not sweep:
                 continue
             for cfg in ROTATE_SWEEP:
@@ -249,8 +240,7 @@ def run_profile(device: str, tiny: bool, top: int = 25) -> list:
         dy = torch.randn(batch, seq, d_out, device=device, dtype=torch.bfloat16)
         for variant in ("linear", "poetx-fast", "poetx-fast-torch"):
             layer = _layer(variant, weight, b)
-            poetx_kernels.ENABLED = variant != "poetx-fast-torch"
-            try:
+            with _settings(poetx_kernels, ENABLED=variant != "poetx-fast-torch"):
                 for _ in range(3):
                     layer(x).backward(dy)
                 if device == "cuda":
@@ -260,8 +250,6 @@ def run_profile(device: str, tiny: bool, top: int = 25) -> list:
                     layer(x).backward(dy)
                     if device == "cuda":
                         torch.cuda.synchronize()
-            finally:
-                poetx_kernels.ENABLED = True
             kernels = {}
             for e in prof.key_averages():
                 us = getattr(e, "self_device_time_total", 0) or 0
@@ -354,24 +342,33 @@ def run_host(device: str, tiny: bool, top: int = 30) -> list:
                  per_call_us=per_call)]
 
 
+@contextlib.contextmanager
+def _settings(module, **values):
+    """The block with ``module``'s attributes set to ``values``, each restored afterwards to what it was."""
+    saved = {k: getattr(module, k) for k in values}
+    for k, v in values.items():
+        setattr(module, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(module, k, v)
+
+
 def _without_replay(fn):
     """``fn()`` with every POET-X kernel launch made through its launcher (``fastdora.poetx.replay`` off)."""
-    saved, poetx_replay.ENABLED = poetx_replay.ENABLED, False
-    try:
+    with _settings(poetx_replay, ENABLED=False):
         return fn()
-    finally:
-        poetx_replay.ENABLED = saved
 
 
 def _without_programs(fn):
     """``fn()`` with the replayed launches made one by one from Python (``fastdora.poetx.replay.PROGRAMS`` off; the
     segments recorded again, before and after)."""
-    saved, poetx_replay.PROGRAMS = poetx_replay.PROGRAMS, False
     poetx_replay.clear()
     try:
-        return fn()
+        with _settings(poetx_replay, PROGRAMS=False):
+            return fn()
     finally:
-        poetx_replay.PROGRAMS = saved
         poetx_replay.clear()
 
 
@@ -453,18 +450,14 @@ def run_series(device: str, tiny: bool) -> list:
             for label, prec, split_ops in (("tf32x3", "tf32x3", True), ("bf16x3", "bf16x3", True),
                                            ("bf16x3-load-split", "bf16x3", False), ("tf32", "tf32", True)):
                 for cfg in SERIES_SWEEP:
-                    saved = poetx_kernels.CAYLEY_CONFIG, poetx_kernels.CAYLEY_PRECISION, poetx_kernels.SPLIT_OPERANDS
-                    poetx_kernels.CAYLEY_CONFIG, poetx_kernels.CAYLEY_PRECISION = cfg, prec
-                    poetx_kernels.SPLIT_OPERANDS = split_ops
                     try:
-                        record(f"kernels {label} {cfg}",
-                               lambda: poetx_kernels.cayley_forward(packed, b, 3),
-                               lambda: poetx_kernels.cayley_backward(packed, grad_g, b, 3))
+                        with _settings(poetx_kernels, CAYLEY_CONFIG=cfg, CAYLEY_PRECISION=prec,
+                                       SPLIT_OPERANDS=split_ops):
+                            record(f"kernels {label} {cfg}",
+                                   lambda: poetx_kernels.cayley_forward(packed, b, 3),
+                                   lambda: poetx_kernels.cayley_backward(packed, grad_g, b, 3))
                     except OutOfResources as err:  # a tile set this GPU cannot hold
                         print(f"series  {n:5d} blocks b={b}  kernels {label} {cfg}: {err}", flush=True)
-                    finally:
-                        (poetx_kernels.CAYLEY_CONFIG, poetx_kernels.CAYLEY_PRECISION,
-                         poetx_kernels.SPLIT_OPERANDS) = saved
         q = cayley.skew_from_packed(packed, b)
         eye = torch.eye(b, device=device)
         for name, tf32 in (("cuBLAS baddbmm, TF32", True), ("cuBLAS baddbmm, float32", False)):
@@ -477,12 +470,8 @@ def run_series(device: str, tiny: bool) -> list:
                 d_s = torch.baddbmm(torch.baddbmm(2 * grad_g, grad_g, s - 2 * q), s, grad_g)
                 return torch.baddbmm(torch.baddbmm(2 * grad_g, s, grad_g, alpha=2), d_s + d_s.mT, q, alpha=-1)
 
-            saved = torch.backends.cuda.matmul.allow_tf32
-            torch.backends.cuda.matmul.allow_tf32 = tf32
-            try:
+            with _settings(torch.backends.cuda.matmul, allow_tf32=tf32):
                 record(name, fwd, bwd)
-            finally:
-                torch.backends.cuda.matmul.allow_tf32 = saved
     return rows
 
 
@@ -555,22 +544,14 @@ def run_rotate(device: str, tiny: bool) -> list:
             cases.append(("split_blocks (once per block set)", None,
                           lambda: poetx_kernels.split_blocks(g, t.dtype)))
         for name, cfg, fn in cases:
-            saved = poetx_kernels.ROTATE_CONFIG
-            poetx_kernels.ROTATE_CONFIG = cfg or {}
-            try:
+            with _settings(poetx_kernels, ROTATE_CONFIG=cfg or {}):
                 ms = timer(fn)
-            finally:
-                poetx_kernels.ROTATE_CONFIG = saved
             rows.append(dict(tokens=n, d=d, block=b, variant=name, ms=ms))
             print(f"rotate  tokens {n:5d} d {d} b={b}  {name:<90} {ms:8.3f} ms", flush=True)
         if poetx_kernels.applies(t, g):  # the block gradient, tokens split over programs from split_rows tokens each
             for split_rows in (512, 1024, 2048, 1 << 30):
-                saved = poetx_kernels.OUTER_CONFIG
-                poetx_kernels.OUTER_CONFIG = dict(split_rows=split_rows)
-                try:
+                with _settings(poetx_kernels, OUTER_CONFIG=dict(split_rows=split_rows)):
                     ms = timer(lambda: poetx_kernels.block_outer(t, t, None, g))
-                finally:
-                    poetx_kernels.OUTER_CONFIG = saved
                 rows.append(dict(tokens=n, d=d, block=b, variant=f"block_outer split_rows={split_rows}", ms=ms))
                 print(f"outer   tokens {n:5d} d {d} b={b}  split_rows={split_rows:<79} {ms:8.3f} ms", flush=True)
     return rows
