@@ -40,15 +40,19 @@ and what the paper compares):
 - ``-load-split``: fast mode with the Cayley–Neumann backward's products splitting every fp32 operand tile into its
   bf16 parts in their loads (``fastdora.poetx.kernels.SPLIT_OPERANDS = False``, as the forward does) instead of
   reading operands split once by the launch that produced them, beside the default, at full depth in both plans.
+- ``-no-pdl``: fast mode with the POET-X kernels launched plainly (``fastdora._launch.PDL = False``) instead of as
+  programmatic dependent launches (Hopper and later: each kernel's launch and the scheduling of its programs overlap
+  the end of the kernel before it), beside the default, at full depth in both plans.
 - extra rows (the plan's tail): ``-qbf16``: Q and its moments in bf16 (as the paper's public implementation keeps
   them); ``adamw-foreach``: torch's default multi-tensor AdamW (a temporary the size of the moments during the step);
   ``adamw-fp32-master``: fp32 weights with fp32 moments under bf16 autocast (16 bytes per parameter plus the
   activations: expected not to fit 141 GB at full depth; an OOM is recorded as a result).
 
 Plan ``h200`` (priority order; ``--budget-s`` drops the tail): 1. full depth (32 layers): AdamW, POET-X fast / mem /
-int8 at b=256, LoRA r=160 (the targets), POET-X fast ``-batched``, ``-launchers``, ``-py-replay`` and ``-load-split``;
-2. full depth: POET-X fast / mem / int8 at b=512; 3. ``--layers`` (8) decoder layers: the same eight configs (the
-per-layer cost, with the embeddings' share smaller); 4. full depth: the extra rows. Plan ``targets``: block 1 alone.
+int8 at b=256, LoRA r=160 (the targets), POET-X fast ``-batched``, ``-launchers``, ``-py-replay``, ``-load-split`` and
+``-no-pdl``; 2. full depth: POET-X fast / mem / int8 at b=512; 3. ``--layers`` (8) decoder layers: the same eight
+configs (the per-layer cost, with the embeddings' share smaller); 4. full depth: the extra rows. Plan ``targets``:
+block 1 alone.
 
 Targets (full depth, b=256, the paper's ratios on an H100): POET-X mem peak <= 0.37x AdamW's, fast <= 0.43x,
 fast tokens/s >= 0.85x AdamW's (the paper measured ~0.76x). The b=512 rows are checked against the same thresholds
@@ -110,7 +114,8 @@ def config_name(c: dict) -> str:
             + ("-batched" if c.get("series") == "batched" else "")
             + (f"-{c['launch']}" if c.get("launch") else "")
             + (f"-{c['series_precision']}" if c.get("series_precision") else "")
-            + ("-load-split" if c.get("split_operands") is False else ""))
+            + ("-load-split" if c.get("split_operands") is False else "")
+            + ("-no-pdl" if c.get("pdl") is False else ""))
 
 
 def plan_configs(plan: str, shape: str, layers: int) -> list:
@@ -132,6 +137,7 @@ def plan_configs(plan: str, shape: str, layers: int) -> list:
     cfgs += [poetx(b0, "fast", full, launch="launchers")]  # every launch through its launcher, side by side
     cfgs += [poetx(b0, "fast", full, launch="py-replay")]  # replayed from Python, no C++ launch programs
     cfgs += [poetx(b0, "fast", full, split_operands=False)]  # series backward: operands split in the loads
+    cfgs += [poetx(b0, "fast", full, pdl=False)]  # plain launches instead of programmatic dependent ones
     if plan == "h200":
         cfgs += block(b1, full)
         cfgs += [dict(method="adamw", layers=layers)] + block(b0, layers) + [
@@ -226,6 +232,10 @@ def setup_method(model, c: dict, a, dev):
     replay.ENABLED = c.get("launch") != "launchers"
     # "-py-replay": replayed launches one by one through Triton's compiled launchers (no C++ launch programs)
     replay.PROGRAMS = c.get("launch") != "py-replay"
+    # "-no-pdl": the POET-X kernels launched plainly, not as programmatic dependent launches (fastdora._launch.PDL)
+    from fastdora import _launch
+
+    _launch.PDL = c.get("pdl", True)
     replay.clear()
     # "-tf32x3" (a precision name): the series' products of a training step in that precision instead of the default
     default = _DEFAULTS.setdefault("series_precision", poetx_kernels.CAYLEY_PRECISION)

@@ -33,6 +33,7 @@ CONFIGS = {"adamw": dict(method="adamw"), "poetx-fast": dict(method="poetx", mod
            "poetx-fast-py-replay": dict(method="poetx", mode="fast", launch="py-replay"),
            "poetx-fast-tf32x3": dict(method="poetx", mode="fast", series_precision="tf32x3"),
            "poetx-fast-load-split": dict(method="poetx", mode="fast", split_operands=False),
+           "poetx-fast-no-pdl": dict(method="poetx", mode="fast", pdl=False),
            "poetx-mem": dict(method="poetx", mode="mem")}
 
 

@@ -11,6 +11,12 @@ per tensor its dtype and 16-byte alignment, per int ``== 1``, divisibility by 16
 nothing but its type, plus every constexpr value, ``num_warps`` and the device. The fast launch is used only where
 the installed Triton passes all bound arguments to ``CompiledKernel.run`` (checked once from the JIT's own source,
 Triton >= 3.4); otherwise, and under ``TRITON_INTERPRET=1``, every launch goes through the JIT.
+
+Programmatic dependent launch (Hopper and later, :data:`PDL`): a kernel that declares a trailing ``PDL`` constexpr and
+is given a ``Launcher(fn, pdl=True)`` is launched with ``launch_pdl=True`` on such a GPU and ``PDL`` set, and waits
+for the kernel before it (``gdc_wait``) before it touches memory: its launch and the scheduling of its programs then
+overlap the end of the kernel before it instead of following it. Everywhere else ``PDL`` is False: the same kernel
+without the wait, launched plainly.
 """
 
 from __future__ import annotations
@@ -29,9 +35,19 @@ try:  # pragma: no cover - exercised wherever triton is installed
     from triton.runtime.jit import JITFunction
 except Exception:  # pragma: no cover
     JITFunction = None
+try:  # pragma: no cover - Triton's grid dependency control (the device side of programmatic dependent launch)
+    from triton.language.extra.cuda import gdc_wait
+except Exception:  # pragma: no cover - no Triton, or one without it: no programmatic dependent launch
+    gdc_wait = None
 
-__all__ = ["Launcher", "FAST_LAUNCH", "device_ctx", "cdiv", "current_stream", "capturing", "hooks_active", "recording",
-           "Replay"]
+__all__ = ["Launcher", "FAST_LAUNCH", "PDL", "pdl_applies", "gdc_wait", "device_ctx", "cdiv", "current_stream",
+           "capturing", "hooks_active", "recording", "Replay"]
+
+#: launch the kernels that take it (``Launcher(fn, pdl=True)``) with programmatic dependent launch where the GPU has
+#: it (compute capability >= 9.0). False: plain launches (the same results; to compare). A change applies to launches
+#: made after it: launches recorded for replay keep theirs until they are recorded again
+#: (:func:`fastdora.poetx.replay.clear`)
+PDL = True
 
 _NULL = contextlib.nullcontext()
 # the launches of the innermost active :func:`recording` (None: nothing records)
@@ -61,6 +77,17 @@ def current_stream(t: torch.Tensor) -> tuple:
 
 
 capturing = compat.stream_capturing
+
+
+@functools.lru_cache(maxsize=None)
+def _has_pdl(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_applies(t: torch.Tensor) -> bool:
+    """A kernel with a ``PDL`` constexpr launched on ``t``'s device gets programmatic dependent launch: :data:`PDL`,
+    a Triton with grid dependency control (:data:`gdc_wait`), a CUDA tensor, a GPU of compute capability >= 9.0."""
+    return PDL and gdc_wait is not None and t.is_cuda and _has_pdl(t.get_device())
 
 
 def _fast_launch_supported() -> bool:
@@ -116,12 +143,15 @@ class Launcher:
     """``Launcher(jit_fn)(grid, tensors, ints, floats, consts, num_warps[, num_stages][, descs=...][, maxnreg=...])``
     for a kernel whose parameters are, in order, TMA tensor descriptors (``descs``: Triton's host-side
     ``TensorDescriptor``s, passed as they are), pointer arguments, int arguments, float arguments, constexprs
-    (``consts``, in declaration order); ``maxnreg``: Triton's register cap per thread (None: the compiler's choice)."""
+    (``consts``, in declaration order); ``maxnreg``: Triton's register cap per thread (None: the compiler's choice).
+    ``pdl``: the kernel's last constexpr is ``PDL`` (not in ``consts``): the launcher passes :func:`pdl_applies` of
+    the first tensor and launches with programmatic dependent launch where it is True."""
 
-    __slots__ = ("fn", "cache", "fast", "interpreted")
+    __slots__ = ("fn", "cache", "fast", "interpreted", "pdl")
 
-    def __init__(self, fn):
+    def __init__(self, fn, pdl: bool = False):
         self.fn = fn
+        self.pdl = pdl
         self.cache: dict = {}
         self.fast = FAST_LAUNCH and isinstance(fn, JITFunction)
         # Triton's interpreter (TRITON_INTERPRET=1): the kernel is no JITFunction (CPU tensors, tests)
@@ -133,6 +163,8 @@ class Launcher:
         path (None through the JIT: interpreter, old Triton, a compile that returned no kernel)."""
         if len(grid) < 3:
             grid = tuple(grid) + (1,) * (3 - len(grid))
+        if self.pdl:
+            consts = (*consts, pdl_applies(tensors[0]))
         if not self.fast:
             self._jit(grid, tensors, ints, floats, consts, num_warps, num_stages, descs, maxnreg)
             if _RECORDING is not None:
@@ -190,6 +222,8 @@ class Launcher:
             opts["num_stages"] = num_stages
         if maxnreg is not None:
             opts["maxnreg"] = maxnreg
+        if self.pdl and consts[-1]:
+            opts["launch_pdl"] = True
         return self.fn[grid](*descs, *tensors, *ints, *floats, *consts, **opts)
 
 
@@ -293,14 +327,15 @@ def _program(recorded: list, replay: Replay, named: tuple) -> Optional[tuple]:
         slots = step[6]
         values = (0,) * len(ptrs) + tuple(ints) + tuple(floats) + tuple(consts)
         roles = tuple(range(len(ptrs))) + (_native.COPY,) * (len(ints) + len(floats) + len(consts))
-        layout = _native.native_layout(compiled, step[3:6], values, roles)
+        layout = _native.native_layout(compiled, step[3:6], values, roles, pdl_ok=True)
         if layout is None:
             return None
         function, grid3, block, shared, p_roles, p_types, p_consts = layout
         slot_of = tuple(slots[r][0] if t == ord("p") and r != _native.COPY else -1 for r, t in zip(p_roles, p_types))
         value_of = tuple(slots[r][1] if t == ord("p") and r != _native.COPY else c
                          for r, t, c in zip(p_roles, p_types, p_consts))
-        steps.append((function, grid3, block, shared, slot_of, value_of))
+        pdl = bool(getattr(compiled.metadata, "launch_pdl", False))
+        steps.append((function, grid3, block, shared, slot_of, value_of, pdl))
     program = (mod.run_program, _native.program(len(named), tuple(steps)))
     # the check: the recorded launches' results (in named now) again, from the program, bit for bit
     before = [t.clone() for t in named]

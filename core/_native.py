@@ -191,9 +191,10 @@ def reset_programs() -> None:
 
 def program(n_named: int, steps: tuple):
     """A launch program for the extension's ``run_program(program, named, stream)``: ``steps``, each ``(function,
-    (gx, gy, gz), block, shared, slots, values)`` with per kernel parameter the index of a named tensor whose data
-    pointer plus ``value`` bytes it takes, or -1 and its constant bytes (``value``). None where launch programs do
-    not run directly (:func:`programs`)."""
+    (gx, gy, gz), block, shared, slots, values[, pdl])`` with per kernel parameter the index of a named tensor whose
+    data pointer plus ``value`` bytes it takes, or -1 and its constant bytes (``value``); ``pdl``: the step is a
+    programmatic dependent launch (the kernel was compiled with ``launch_pdl``, as Triton's launcher would launch it).
+    None where launch programs do not run directly (:func:`programs`)."""
     mod = programs()
     return None if mod is None else mod.program(n_named, steps)
 
@@ -209,13 +210,15 @@ def _param_bytes(fmt: str, value) -> int:
     return int.from_bytes(struct.pack(fmt, value).ljust(8, b"\0"), "little")
 
 
-def native_layout(compiled, grid, values, roles) -> Optional[tuple]:
+def native_layout(compiled, grid, values, roles, pdl_ok: bool = False) -> Optional[tuple]:
     """The direct launch of ``compiled`` for a launch with the kernel's declared arguments ``values`` (their roles:
     ``roles``): ``(function, grid, block, shared, param roles, param types, param constants)`` with the parameters
     Triton's CUDA launcher passes (its signature's non-constexpr entries in order, then a null global-scratch and a
     null profile-scratch pointer where the metadata has those sizes, as torch's StaticallyLaunchedCudaKernel reads
     them); None where this launch needs more than that launcher's plain path (clusters, cooperative / PDL launches,
-    scratch memory, tensor descriptors, tuples, other types) or the layout cannot be derived."""
+    scratch memory, tensor descriptors, tuples, other types) or the layout cannot be derived. ``pdl_ok``: a
+    programmatic dependent launch is accepted (its parameters are the plain path's; a launch program makes it with
+    ``cuLaunchKernelEx``, see :func:`program`)."""
     md = getattr(compiled, "metadata", None)
     src = getattr(compiled, "src", None)
     sig = getattr(src, "signature", None)
@@ -223,7 +226,7 @@ def native_layout(compiled, grid, values, roles) -> Optional[tuple]:
     if md is None or not isinstance(sig, dict) or len(sig) != len(values) or fn is None:
         return None
     if (getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_cooperative_grid", False)
-            or getattr(md, "launch_pdl", False) or getattr(md, "global_scratch_size", 0)
+            or (getattr(md, "launch_pdl", False) and not pdl_ok) or getattr(md, "global_scratch_size", 0)
             or getattr(md, "profile_scratch_size", 0) or getattr(md, "tensordesc_meta", None)
             or getattr(md, "instrumentation_mode", "")):  # instrumentation (e.g. gsan) adds parameters
         return None

@@ -159,26 +159,30 @@ def test_model_plan_priority_order(bench):
     names = [(c["name"], c["layers"]) for c in cfgs]
     assert len(names) == len(set(names))
     # 1. the targets at full depth come first, then fast mode with the batched series, with no launch replayed,
-    # replayed from Python without launch programs, and with the series' operands split in the products' loads
-    assert names[:9] == [("adamw", 32), ("poetx-fast-b256", 32), ("poetx-mem-b256", 32), ("poetx-int8-b256", 32),
-                         ("lora-r160", 32), ("poetx-fast-b256-batched", 32), ("poetx-fast-b256-launchers", 32),
-                         ("poetx-fast-b256-py-replay", 32), ("poetx-fast-b256-load-split", 32)]
+    # replayed from Python without launch programs, with the series' operands split in the products' loads, and with
+    # plain launches instead of programmatic dependent ones
+    assert names[:10] == [("adamw", 32), ("poetx-fast-b256", 32), ("poetx-mem-b256", 32), ("poetx-int8-b256", 32),
+                          ("lora-r160", 32), ("poetx-fast-b256-batched", 32), ("poetx-fast-b256-launchers", 32),
+                          ("poetx-fast-b256-py-replay", 32), ("poetx-fast-b256-load-split", 32),
+                          ("poetx-fast-b256-no-pdl", 32)]
     assert cfgs[5]["series"] == "batched" and "series" not in cfgs[1]
     assert cfgs[6]["launch"] == "launchers" and "launch" not in cfgs[1] and "series" not in cfgs[6]
     assert cfgs[7]["launch"] == "py-replay"
     assert cfgs[8]["split_operands"] is False and not any("split_operands" in c for c in cfgs[:8])
+    assert cfgs[9]["pdl"] is False and not any("pdl" in c for c in cfgs[:9])
     # 2. b=512 at full depth, 3. the same eight configs at 8 layers, 4. the extra rows at full depth
-    assert names[9:12] == [(f"poetx-{k}-b512", 32) for k in ("fast", "mem", "int8")]
-    eight = sorted(n for n, _ in names[:12] if not n.endswith(("-batched", "-launchers", "-py-replay", "-load-split")))
-    assert sorted(n for n, L in names[12:20]) == eight and {L for _, L in names[12:20]} == {8}
-    assert names[20:] == [("poetx-fast-b256-qbf16", 32), ("poetx-mem-b256-qbf16", 32), ("adamw-foreach", 32),
+    assert names[10:13] == [(f"poetx-{k}-b512", 32) for k in ("fast", "mem", "int8")]
+    eight = sorted(n for n, _ in names[:13]
+                   if not n.endswith(("-batched", "-launchers", "-py-replay", "-load-split", "-no-pdl")))
+    assert sorted(n for n, L in names[13:21]) == eight and {L for _, L in names[13:21]} == {8}
+    assert names[21:] == [("poetx-fast-b256-qbf16", 32), ("poetx-mem-b256-qbf16", 32), ("adamw-foreach", 32),
                           ("adamw-fp32-master", 32)]
     int8 = [c for c in cfgs if c["name"].startswith("poetx-int8")]
     assert all(c["weight_format"] == "int8" and c["mode"] == "mem" for c in int8)
     assert all(c["full_depth"] == (c["layers"] == 32) for c in cfgs)
-    assert [c["name"] for c in pxm.plan_configs("targets", "llama3-8b", 8)] == [n for n, _ in names[:9]]
+    assert [c["name"] for c in pxm.plan_configs("targets", "llama3-8b", 8)] == [n for n, _ in names[:10]]
     # --layers at full depth: one run per config
-    assert len(pxm.plan_configs("h200", "llama3-8b", 32)) == 16
+    assert len(pxm.plan_configs("h200", "llama3-8b", 32)) == 17
 
 
 def test_model_target_checks(bench):
@@ -266,7 +270,7 @@ def test_model_bench_budget_skips_the_tail(tmp_path):
                        env=_env(), cwd=REPO, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads((out / "poetx_model_bench.json").read_text())
-    assert doc["results"] == [] and len(doc["skipped"]) == 9
+    assert doc["results"] == [] and len(doc["skipped"]) == 10
     assert "Skipped (time budget): adamw L=2" in (out / "poetx_model_bench.md").read_text()
     r = subprocess.run([sys.executable, os.path.join(BENCH, "poetx_model_bench.py"), "--tiny", "--device", "cpu",
                         "--out", str(out), "--configs", "adamw,nope"], capture_output=True, text=True, env=_env(),
@@ -383,6 +387,6 @@ def test_step_profile_tiny_end_to_end(tmp_path):
     assert doc["tiny"] and [row["config"] for row in doc["rows"]] == ["adamw", "poetx-fast", "poetx-fast-batched",
                                                                       "poetx-fast-launchers", "poetx-fast-py-replay",
                                                                       "poetx-fast-tf32x3", "poetx-fast-load-split",
-                                                                      "poetx-mem"]
+                                                                      "poetx-fast-no-pdl", "poetx-mem"]
     for row in doc["rows"]:
         assert row["wall_ms"] > 0 and row["host_ms"] > 0 and row["gpu_kernel_ms"] > 0 and row["kernels"]

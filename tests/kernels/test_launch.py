@@ -228,3 +228,37 @@ def test_recording_collects_the_launches_of_its_block(monkeypatch):
     with launch.recording() as rec:
         slow((1,), (t,), (), (), (), 4)
     assert rec == [None]
+
+
+def test_pdl_kernels_get_the_flag_and_the_launch_option(monkeypatch):
+    """A ``Launcher(fn, pdl=True)`` passes :func:`pdl_applies` of its first tensor as the kernel's last constexpr and,
+    where it is True, compiles the kernel with ``launch_pdl``; the two are separate specialisations. Off a CUDA
+    device (or with ``PDL`` off) it is False."""
+
+    class _PdlJit(_Jit):
+        def __getitem__(self, grid):
+            def run(*args, num_warps, **opts):
+                self.log.append(("jit", grid, args, num_warps, opts))
+                return self.compiled_cls(self.log)
+
+            return run
+
+    monkeypatch.setattr(launch, "_raw_stream", lambda dev: 7)
+    monkeypatch.setattr(launch, "_knobs", _Knobs)
+    fn = _PdlJit()
+    launcher = launch.Launcher(fn, pdl=True)
+    launcher.fast = True
+    t = torch.empty(16)
+    assert not launch.pdl_applies(t)  # a CPU tensor
+    launcher((1,), (t,), (16,), (), (8,), 4)
+    monkeypatch.setattr(launch, "pdl_applies", lambda x: True)
+    launcher((1,), (t,), (16,), (), (8,), 4)  # a new specialisation: compiled with the launch option
+    launcher((1,), (t,), (16,), (), (8,), 4)  # a cache hit
+    jit = [e for e in fn.log if e[0] == "jit"]
+    assert [e[2] for e in jit] == [(t, 16, 8, False), (t, 16, 8, True)]
+    assert jit[0][4] == {} and jit[1][4] == {"launch_pdl": True}
+    assert fn.log[-1][0] == "fast" and fn.log[-1][2][-1] is True
+    monkeypatch.undo()  # the real pdl_applies
+    monkeypatch.setattr(launch, "PDL", False)
+    if torch.cuda.is_available():
+        assert not launch.pdl_applies(torch.empty(1, device="cuda"))

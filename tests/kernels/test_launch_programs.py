@@ -97,16 +97,22 @@ def _records(ext, replay, named, stream):
     return records
 
 
-def test_program_passes_tritons_launcher_parameters(ext, monkeypatch):
-    monkeypatch.setattr(_native, "programs", lambda: ext)
-    named, recorded, (c1, k1), (c2, k2) = _sequence()
-    ext.testing_record_native([])  # the build's check launches nothing on CPU tensors: recorded only
+def _built(ext, recorded, named):
+    """``(replay, other tensors like named)``: the replay of ``recorded`` built as a launch program (its build's check
+    launches nothing on CPU tensors: recorded only)."""
+    ext.testing_record_native([])
     try:
         replay = _launch.Replay.build(recorded, named, direct=True)
     finally:
         ext.testing_record_native(None)
     assert replay is not None and replay.program is not None
-    named2 = tuple(torch.empty_like(t) for t in named)
+    return replay, tuple(torch.empty_like(t) for t in named)
+
+
+def test_program_passes_tritons_launcher_parameters(ext, monkeypatch):
+    monkeypatch.setattr(_native, "programs", lambda: ext)
+    named, recorded, (c1, k1), (c2, k2) = _sequence()
+    replay, named2 = _built(ext, recorded, named)
     records = _records(ext, replay, named2, 77)
     assert not c1.calls and not c2.calls  # nothing went through Triton's launchers
     program, replay.program = replay.program, None  # the Python replay of the same sequence, for its arguments
@@ -114,14 +120,44 @@ def test_program_passes_tritons_launcher_parameters(ext, monkeypatch):
     replay.program = program
     assert len(records) == 2 and len(c1.calls) == 1 and len(c2.calls) == 1
     for rec, (compiled, kinds) in zip(records, ((c1, k1), (c2, k2))):
-        function, grid, block, shared, stream, params = rec
+        function, grid, block, shared, stream, params, pdl = rec
         call = compiled.calls[0]
         assert function == compiled.function and grid == tuple(call[:3]) and stream == 77 == call[3]
+        assert pdl is False  # compiled without launch_pdl: a plain launch
         assert block == 32 * compiled.metadata.num_warps and shared == compiled.metadata.shared
         assert params == _expected(kinds, call)
     # the pointers are the second call's tensors at the recorded offsets
     assert struct.unpack("<Q", records[0][5][8:16])[0] == named2[1].data_ptr() + 4 * 16 * 2
     assert struct.unpack("<Q", records[1][5][8:16])[0] == named2[2].data_ptr() + 4 * 8
+
+
+def test_programmatic_dependent_launch_steps(ext, monkeypatch):
+    """A kernel compiled for programmatic dependent launch (Triton's ``launch_pdl``): its program step is made as one
+    (recorded with ``pdl`` True), with the same parameter bytes as Triton's launcher; the other step stays plain.
+    ``native_layout`` refuses such a launch unless asked (the DoRA node's templates launch plainly)."""
+    monkeypatch.setattr(_native, "programs", lambda: ext)
+    named, recorded, (c1, k1), (c2, k2) = _sequence()
+    c2.metadata.launch_pdl = True
+    assert _native.native_layout(c2, (5, 1, 1), (0, 0, 7, 16), (0, 1, _native.COPY, _native.COPY)) is None
+    assert _native.native_layout(c2, (5, 1, 1), (0, 0, 7, 16), (0, 1, _native.COPY, _native.COPY),
+                                 pdl_ok=True) is not None
+    replay, named2 = _built(ext, recorded, named)
+    records = _records(ext, replay, named2, 9)
+    program, replay.program = replay.program, None
+    replay(named2, 9)
+    replay.program = program
+    assert [r[6] for r in records] == [False, True]
+    for rec, (compiled, kinds) in zip(records, ((c1, k1), (c2, k2))):
+        assert rec[0] == compiled.function and rec[5] == _expected(kinds, compiled.calls[0])
+    # a step tuple without the flag is a plain launch
+    prog = ext.program(1, ((1, (1, 1, 1), 32, 0, (0,), (0,)), (2, (1, 1, 1), 32, 0, (0,), (0,), True)))
+    records = []
+    ext.testing_record_native(records)
+    try:
+        ext.run_program(prog, (named[0],), 3)
+    finally:
+        ext.testing_record_native(None)
+    assert [(r[0], r[6]) for r in records] == [(1, False), (2, True)]
 
 
 def test_no_program_where_programs_do_not_run_or_the_layout_is_unknown(ext, monkeypatch):
@@ -202,8 +238,8 @@ def test_layer_plan_runs_its_steps_in_order(ext):
     assert lin.dtype == torch.float32 and torch.equal(lin, torch.nn.functional.linear(x, w))
     assert torch.equal(mm, torch.matmul(lin, w))
     assert len(records) == 1
-    function, grid, block, shared, stream, params = records[0]
-    assert (function, grid, block, shared, stream) == (0xD4, (2, 1, 1), 64, 128, 5)
+    function, grid, block, shared, stream, params, pdl = records[0]
+    assert (function, grid, block, shared, stream, pdl) == (0xD4, (2, 1, 1), 64, 128, 5, False)
     assert struct.unpack("<4Q", params) == (x.data_ptr(), empty.data_ptr() + 16, mm.data_ptr() + 8, 7)
     if not torch.cuda.is_available():
         assert ext.run_plan(plan, (x, w), 0) is None  # no driver / context here: nothing ran

@@ -263,11 +263,12 @@ if not _INNER:
                     assert after["native"] == before["native"] + 2 and after["fast"] == before["fast"] + 2
                     assert len(records) == 2
                     for (c, call), rec in zip(sorted(py, key=lambda x: x[0].function), sorted(records)):
-                        function, grid, block, shared, stream, params = rec
+                        function, grid, block, shared, stream, params, pdl = rec
                         what = f"{dname} bias={bias} fn={hex(function)}"
                         assert function == c.function and grid == tuple(call[:3]), what
                         assert block == 32 * c.metadata.num_warps and shared == c.metadata.shared, what
                         assert stream == 0, what  # CPU tensors: no stream
+                        assert pdl is False, what  # the DoRA kernels launch plainly
                         want = _expected_params(list(c.src.signature.values()), call, label)
                         got = [params[i:i + 8] for i in range(0, len(params), 8)]
                         assert len(got) == len(want), (what, len(got), len(want))

@@ -259,27 +259,18 @@ def test_batched_series_equals_each_layers_own_series(monkeypatch):
         assert torch.equal(grad, out[1][2][name]), name
 
 
-@pytest.mark.parametrize("direct", [True, False], ids=["programs", "launchers"])
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
-@pytest.mark.parametrize("x_grad", [True, False], ids=["x-grad", "no-x-grad"])
-@pytest.mark.parametrize("mode", ["fast", "mem"])
-def test_layer_replay_equals_the_op_path(mode, x_grad, bias, direct, monkeypatch):
-    """``poetx_layer`` with its launches recorded on the first call and replayed on later ones
-    (:mod:`fastdora.poetx.replay`): every segment replayable, no launcher runs on the second call, outputs and
-    gradients bitwise those of the op's own path (``replay.ENABLED = False``), at 3000 tokens (block gradients split
-    over programs) in bfloat16 with float32 Q. ``direct``: every segment a launch program of the C++ extension (on the
-    verified Triton versions), which alone launches the replayed calls -- without a bias the layer's autograd node in
-    C++ running the layer plans; else each launch through Triton's launcher."""
+def _replayed_layer(monkeypatch, direct: bool, seed: int, mode: str, bias: bool, x_grad: bool = True):
+    """``run()``: one fwd+bwd of ``poetx_layer`` (4096 -> 1536 features, b=256, 3000 bf16 tokens: block gradients
+    split over programs; float32 Q) returning the output and the gradients; ``direct`` False: no launch programs
+    (skipped where they are not verified on the installed Triton)."""
     from fastdora import _native
-    from fastdora.poetx import replay
 
     if direct and _native.direct_launch_refusal(_native.triton_version(), True, True) is not None:
         pytest.skip(f"launch programs are not verified on Triton {_native.triton_version()}")
     if not direct:
         monkeypatch.setattr(_native, "programs", lambda: None)
-
     d_in, d_out, b, n = 4096, 1536, 256, 3000
-    gen = torch.Generator(DEV).manual_seed(11)
+    gen = torch.Generator(DEV).manual_seed(seed)
     x = torch.randn(n, d_in, generator=gen, device=DEV).to(BF16)
     weight = (torch.randn(d_out, d_in, generator=gen, device=DEV) * d_in ** -0.5).to(BF16)
     bias_t = torch.randn(d_out, generator=gen, device=DEV).to(BF16) if bias else None
@@ -296,6 +287,25 @@ def test_layer_replay_equals_the_op_path(mode, x_grad, bias, direct, monkeypatch
         y = poetx_layer(xs, weight, bias_t, qi, qo, perm_in, perm_out, b, 3, mode)
         y.backward(grad_y)
         return y, xs.grad, qi.grad, qo.grad
+
+    return run
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["programs", "launchers"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("x_grad", [True, False], ids=["x-grad", "no-x-grad"])
+@pytest.mark.parametrize("mode", ["fast", "mem"])
+def test_layer_replay_equals_the_op_path(mode, x_grad, bias, direct, monkeypatch):
+    """``poetx_layer`` with its launches recorded on the first call and replayed on later ones
+    (:mod:`fastdora.poetx.replay`): every segment replayable, no launcher runs on the second call, outputs and
+    gradients bitwise those of the op's own path (``replay.ENABLED = False``), at 3000 tokens (block gradients split
+    over programs) in bfloat16 with float32 Q. ``direct``: every segment a launch program of the C++ extension (on the
+    verified Triton versions), which alone launches the replayed calls -- without a bias the layer's autograd node in
+    C++ running the layer plans; else each launch through Triton's launcher."""
+    from fastdora import _native
+    from fastdora.poetx import replay
+
+    run = _replayed_layer(monkeypatch, direct, 11, mode, bias, x_grad)
 
     replay.clear()
     first = run()
@@ -330,3 +340,63 @@ def test_layer_replay_equals_the_op_path(mode, x_grad, bias, direct, monkeypatch
     assert (ref[1] is None) == (not x_grad)
     for name, f, a, r in zip(("output", "grad x", "grad q_in", "grad q_out"), first, again, ref):
         assert (r is None and f is None and a is None) or (torch.equal(f, r) and torch.equal(a, r)), name
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["programs", "launchers"])
+@pytest.mark.parametrize("mode", ["fast", "mem"])
+def test_programmatic_dependent_launch_changes_no_result(mode, direct, monkeypatch):
+    """The POET-X kernels launched as programmatic dependent launches (:data:`fastdora._launch.PDL`, on a GPU of
+    compute capability >= 9.0) give a layer's output and every gradient bit for bit as plain launches do, on the call
+    that records the launches and on the calls that replay them (through the C++ launch programs, which then launch
+    with ``cuLaunchKernelEx``, or through Triton's launchers); on such a GPU every replayed launch is one."""
+    from fastdora import _launch
+    from fastdora.poetx import replay
+
+    run = _replayed_layer(monkeypatch, direct, 12, mode, bias=False)
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    results = {}
+    try:
+        for pdl in (True, False):
+            monkeypatch.setattr(_launch, "PDL", pdl)
+            replay.clear()
+            results[pdl] = [run() for _ in range(3)]  # recorded, then replayed twice
+            torch.cuda.synchronize()
+            steps = [s for r in replay._REPLAYS.values() if r is not None for s in r.steps]
+            assert steps and all(getattr(s[0], "launch_pdl", pdl and hopper) == (pdl and hopper) for s in steps)
+            assert all((r.program is not None) == direct for r in replay._REPLAYS.values())
+    finally:
+        replay.clear()  # the tests after this one record their launches with the default
+    ref = results[False][0]
+    for calls in results.values():
+        for got in calls:
+            for name, g, r in zip(("output", "grad x", "grad q_in", "grad q_out"), got, ref):
+                assert torch.equal(g, r), name
+
+
+def test_programmatic_dependent_launches_in_a_cuda_graph():
+    """A chain of the kernels (permutation passes and block products, each reading the one before's output) captured
+    in a CUDA graph -- as programmatic dependent launches on compute capability >= 9.0 -- and replayed gives the
+    eager chain's results bit for bit."""
+    gen = torch.Generator(DEV).manual_seed(5)
+    d, b, n = 4096, 256, 2048
+    t = torch.randn(n, d, generator=gen, device=DEV).to(BF16)
+    perm = torch.randperm(d, generator=gen, device=DEV)
+    g = _blocks(d // b, b, gen)
+
+    def chain(x):
+        return ops.rotate(ops.rotate(x, perm, g), perm, g, transpose=True)
+
+    ref = chain(t)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chain(t)  # warm-up on a side stream, as torch.cuda.graph expects
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(t)
+    for _ in range(2):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref)

@@ -140,14 +140,33 @@ bool g_native_on = true;             // FASTDORA_NATIVE_LAUNCH (set by the Pytho
 bool g_record = false;               // tests: record direct launches instead of making them (CPU)
 PyObject* g_records = nullptr;       // tests: a list of (function, grid, block, shared, stream, params bytes)
 
+// cuda.h's CUlaunchAttribute and CUlaunchConfig (the arguments of cuLaunchKernelEx), written out with the same layout:
+// the node is built without the CUDA toolkit. An attribute is its id, padding to 8 bytes, then a 64-byte value union.
+struct LaunchAttribute {
+  int id;
+  char pad[4];
+  alignas(8) unsigned char value[64];
+};
+struct LaunchConfig {
+  unsigned grid_x, grid_y, grid_z, block_x, block_y, block_z, shared;
+  void* stream;
+  LaunchAttribute* attrs;
+  unsigned n_attrs;
+};
+static_assert(sizeof(LaunchAttribute) == 72 && sizeof(LaunchConfig) == 56, "CUDA launch structs' layout");
+// CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION: a programmatic dependent launch (value: int 1)
+constexpr int kProgrammaticStreamSerialization = 6;
+
 // The CUDA driver's entry points (dlopen'ed: the node is built without the CUDA toolkit). CUresult is an int enum.
 struct Driver {
   using launch_t = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*, void**,
                            void**);
+  using launch_ex_t = int (*)(const LaunchConfig*, void*, void**, void**);
   using ctx_t = int (*)(void**);
   using capturing_t = int (*)(void*, int*);
   using errstr_t = int (*)(int, const char**);
   launch_t launch = nullptr;
+  launch_ex_t launch_ex = nullptr;  // cuLaunchKernelEx (CUDA >= 11.8): programmatic dependent launches
   ctx_t ctx_current = nullptr;
   capturing_t stream_capturing = nullptr;
   errstr_t error_string = nullptr;
@@ -264,15 +283,17 @@ bool native_ready(const Template& tp, const at::Tensor& on) {
   return g_driver.ctx_current(&ctx) == 0 && ctx != nullptr;
 }
 
-// One direct launch (params: pointers to the parameters' bytes, `words` of them 8 bytes apart from `values`), or in
-// tests its record (function, grid, block, shared, stream, parameter bytes) appended to g_records. Needs the GIL only
-// in tests (the recorder).
+// One direct launch (params: pointers to the parameters' bytes, `words` of them 8 bytes apart from `values`; pdl: a
+// programmatic dependent launch, with cuLaunchKernelEx as Triton's launcher makes it), or in tests its record
+// (function, grid, block, shared, stream, parameter bytes, pdl) appended to g_records. Needs the GIL only in tests
+// (the recorder).
 void direct_launch(uint64_t function, const unsigned* grid, unsigned block, unsigned shared, uint64_t stream,
-                   const uint64_t* values, void** params, size_t words) {
+                   const uint64_t* values, void** params, size_t words, bool pdl = false) {
   if (g_record) {
-    PyObject* rec = Py_BuildValue("(K(III)IIKy#)", static_cast<unsigned long long>(function), grid[0], grid[1],
+    PyObject* rec = Py_BuildValue("(K(III)IIKy#O)", static_cast<unsigned long long>(function), grid[0], grid[1],
                                   grid[2], block, shared, static_cast<unsigned long long>(stream),
-                                  reinterpret_cast<const char*>(values), static_cast<Py_ssize_t>(words * 8));
+                                  reinterpret_cast<const char*>(values), static_cast<Py_ssize_t>(words * 8),
+                                  pdl ? Py_True : Py_False);
     if (!rec || PyList_Append(g_records, rec) < 0) {
       Py_XDECREF(rec);
       throw_py();
@@ -280,13 +301,25 @@ void direct_launch(uint64_t function, const unsigned* grid, unsigned block, unsi
     Py_DECREF(rec);
     return;
   }
-  const int rc = g_driver.launch(reinterpret_cast<void*>(function), grid[0], grid[1], grid[2], block, 1, 1, shared,
-                                 reinterpret_cast<void*>(stream), params, nullptr);
+  int rc;
+  if (pdl) {
+    TORCH_CHECK(g_driver.launch_ex, "fastdora native launch: a programmatic dependent launch needs cuLaunchKernelEx, ",
+                "which this CUDA driver lacks");
+    LaunchAttribute attr{};
+    attr.id = kProgrammaticStreamSerialization;
+    const int allowed = 1;
+    std::memcpy(attr.value, &allowed, sizeof(allowed));
+    const LaunchConfig config{grid[0], grid[1], grid[2], block, 1, 1, shared, reinterpret_cast<void*>(stream), &attr, 1};
+    rc = g_driver.launch_ex(&config, reinterpret_cast<void*>(function), params, nullptr);
+  } else {
+    rc = g_driver.launch(reinterpret_cast<void*>(function), grid[0], grid[1], grid[2], block, 1, 1, shared,
+                         reinterpret_cast<void*>(stream), params, nullptr);
+  }
   if (rc != 0) {
     const char* msg = nullptr;
     if (g_driver.error_string) g_driver.error_string(rc, &msg);
-    TORCH_CHECK(false, "fastdora native launch: cuLaunchKernel failed: ", msg ? msg : "unknown error", " (CUresult ",
-                rc, ")");
+    TORCH_CHECK(false, "fastdora native launch: ", pdl ? "cuLaunchKernelEx" : "cuLaunchKernel", " failed: ",
+                msg ? msg : "unknown error", " (CUresult ", rc, ")");
   }
 }
 
@@ -732,6 +765,7 @@ PyObject* py_load_driver(PyObject*, PyObject*) {
   if (!h) return PyUnicode_FromFormat("dlopen(libcuda.so.1) failed: %s", dlerror());
   Driver d;
   d.launch = reinterpret_cast<Driver::launch_t>(dlsym(h, "cuLaunchKernel"));
+  d.launch_ex = reinterpret_cast<Driver::launch_ex_t>(dlsym(h, "cuLaunchKernelEx"));  // optional
   d.ctx_current = reinterpret_cast<Driver::ctx_t>(dlsym(h, "cuCtxGetCurrent"));
   d.stream_capturing = reinterpret_cast<Driver::capturing_t>(dlsym(h, "cuStreamIsCapturing"));
   d.error_string = reinterpret_cast<Driver::errstr_t>(dlsym(h, "cuGetErrorString"));
@@ -936,8 +970,10 @@ PyObject* py_dora_linear(PyObject*, PyObject* const* a, Py_ssize_t n) {
 // A recorded sequence of Triton launches (fastdora._launch.Replay: POET-X's layer segments) launched from C++: per
 // step the kernel's function handle, grid, block, shared memory and parameter layout, each pointer parameter a byte
 // offset into one of the call's named tensors, every other parameter its recorded bytes -- the bytes Triton's
-// launcher passes for the same launch (fastdora._native.native_layout). One call from Python per segment instead of
-// one per launch, no argument parsing per launch.
+// launcher passes for the same launch (fastdora._native.native_layout); a step of a kernel compiled for programmatic
+// dependent launch (Triton's launch_pdl) is launched as Triton's launcher launches it, with cuLaunchKernelEx and the
+// programmatic stream serialization attribute. One call from Python per segment instead of one per launch, no argument
+// parsing per launch.
 
 constexpr Py_ssize_t kMaxNamed = 64;
 constexpr const char* kProgram = "fastdora.launch_program";
@@ -949,6 +985,7 @@ struct ProgramStep {
   unsigned shared = 0;
   std::vector<int> slot;        // per parameter: the named tensor it points into, or -1 (a constant)
   std::vector<uint64_t> value;  // per parameter: the byte offset into that tensor, or the constant's bytes
+  bool pdl = false;             // a programmatic dependent launch
 };
 
 struct Program {
@@ -960,7 +997,7 @@ void program_free(PyObject* capsule) {
   delete static_cast<Program*>(PyCapsule_GetPointer(capsule, kProgram));
 }
 
-// program(n_named, steps) -> capsule; each step (function, (gx, gy, gz), block, shared, slots, values)
+// program(n_named, steps) -> capsule; each step (function, (gx, gy, gz), block, shared, slots, values[, pdl])
 PyObject* py_program(PyObject*, PyObject* args) {
   Py_ssize_t n_named;
   PyObject* steps;
@@ -975,9 +1012,11 @@ PyObject* py_program(PyObject*, PyObject* args) {
     ProgramStep st;
     unsigned long long fn;
     PyObject *slots, *values;
-    if (!PyArg_ParseTuple(PyTuple_GET_ITEM(steps, k), "K(III)IIO!O!", &fn, &st.grid[0], &st.grid[1], &st.grid[2],
-                          &st.block, &st.shared, &PyTuple_Type, &slots, &PyTuple_Type, &values))
+    int pdl = 0;
+    if (!PyArg_ParseTuple(PyTuple_GET_ITEM(steps, k), "K(III)IIO!O!|p", &fn, &st.grid[0], &st.grid[1], &st.grid[2],
+                          &st.block, &st.shared, &PyTuple_Type, &slots, &PyTuple_Type, &values, &pdl))
       return nullptr;
+    st.pdl = pdl != 0;
     const Py_ssize_t n = PyTuple_GET_SIZE(slots);
     if (n != PyTuple_GET_SIZE(values) || n > static_cast<Py_ssize_t>(kMaxParams) || st.block == 0) {
       PyErr_Format(PyExc_ValueError, "fastdora launch program: bad step %zd", k);
@@ -1020,7 +1059,7 @@ void launch_program(const Program& prog, const uint64_t* base, uint64_t stream) 
       words[i] = st.slot[i] < 0 ? st.value[i] : base[st.slot[i]] + st.value[i];
       params[i] = &words[i];
     }
-    direct_launch(st.function, st.grid, st.block, st.shared, stream, words, params, np);
+    direct_launch(st.function, st.grid, st.block, st.shared, stream, words, params, np, st.pdl);
   }
 }
 
