@@ -1,8 +1,9 @@
 """One POET-X layer, forward + backward, at Llama-8B shapes: fastdora's POET-X (fast / mem modes, with its Triton
 kernels and with its PyTorch path; ``poetx-fast-f32blocks``: fast mode with the series writing float32 blocks that each
-block product splits again, ``fastdora.poetx.replay.SPLIT_BLOCKS = False``) against a trainable ``nn.Linear`` and a
-plain PyTorch POET-X written the straightforward way (``_poetx_plain.PlainPoetX``: blocks built with batched
-matmuls, separate gathers of the activations, autograd backward).
+block product splits again, ``fastdora.poetx.replay.SPLIT_BLOCKS = False``; ``poetx-fast-no-pdl``: fast mode with its
+kernels launched plainly rather than as programmatic dependent launches, ``fastdora._launch.PDL = False``) against a
+trainable ``nn.Linear`` and a plain PyTorch POET-X written the straightforward way (``_poetx_plain.PlainPoetX``: blocks
+built with batched matmuls, separate gathers of the activations, autograd backward).
 
 Shapes 4096→4096, 4096→14336, 14336→4096; sequence 2048, batch 1 and 4; block sizes 256 and 512; bfloat16 activations
 and weight, float32 ``Q``. Each row: the median time of ``y = layer(x); y.backward(dy)`` (``triton.testing.do_bench``
@@ -34,6 +35,7 @@ import time
 import torch
 from torch import nn
 
+from fastdora import _launch
 from fastdora.poetx import PoetXLinear
 from fastdora.poetx import kernels as poetx_kernels
 from fastdora.poetx import ops as poetx_ops
@@ -48,7 +50,8 @@ BATCHES = [1, 4]
 SEQ = 2048
 BLOCKS = [256, 512]
 TINY = dict(shapes=[(64, 64), (64, 128), (128, 64)], batches=[1, 2], seq=16, blocks=[16, 32])
-VARIANTS = ["linear", "plain", "poetx-fast-torch", "poetx-fast", "poetx-fast-f32blocks", "poetx-mem"]
+VARIANTS = ["linear", "plain", "poetx-fast-torch", "poetx-fast", "poetx-fast-f32blocks", "poetx-fast-no-pdl",
+            "poetx-mem"]
 
 
 def _layer(variant: str, weight: torch.Tensor, b: int) -> nn.Module:
@@ -113,10 +116,13 @@ def run(device: str, tiny: bool, variants: list) -> list:
                         for p in layer.parameters():
                             p.grad = None
 
-                    # "-f32blocks": the series writes float32 blocks that each block product splits again
+                    # "-f32blocks": the series writes float32 blocks that each block product splits again;
+                    # "-no-pdl": the kernels launched plainly (the layer's launches recorded again for it and after it)
+                    poetx_replay.clear()
                     with _settings(poetx_kernels, ENABLED=variant != "poetx-fast-torch"), \
-                            _settings(poetx_replay, SPLIT_BLOCKS=variant != "poetx-fast-f32blocks"):
-                        step()  # compiles the kernels, fills the caches
+                            _settings(poetx_replay, SPLIT_BLOCKS=variant != "poetx-fast-f32blocks"), \
+                            _settings(_launch, PDL=variant != "poetx-fast-no-pdl"):
+                        step()  # compiles the kernels, records the launches, fills the caches
                         if device == "cuda":
                             torch.cuda.synchronize()
                             torch.cuda.reset_peak_memory_stats()

@@ -348,11 +348,11 @@ def test_convergence_tiny_end_to_end(tmp_path):
 def test_layer_bench_tiny_plain_variant(tmp_path):
     out = tmp_path / "layer.json"
     r = subprocess.run([sys.executable, os.path.join(BENCH, "poetx_bench.py"), "--device", "cpu", "--tiny",
-                        "--variants", "linear,plain,poetx-fast", "--out", str(out)], capture_output=True, text=True,
-                       env=_env(), cwd=REPO, timeout=300)
+                        "--variants", "linear,plain,poetx-fast,poetx-fast-no-pdl", "--out", str(out)],
+                       capture_output=True, text=True, env=_env(), cwd=REPO, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert {x["variant"] for x in rows} == {"linear", "plain", "poetx-fast"}
+    assert {x["variant"] for x in rows} == {"linear", "plain", "poetx-fast", "poetx-fast-no-pdl"}
     assert all(x["ms"] > 0 for x in rows)
 
 
