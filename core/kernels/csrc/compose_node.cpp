@@ -138,7 +138,7 @@ int64_t g_layer = 0;                 // dora_linear calls (whole-layer nodes and
 bool g_host_templates = false;       // tests: compiled-launcher templates on CPU tensors (their argument layout)
 bool g_native_on = true;             // FASTDORA_NATIVE_LAUNCH (set by the Python side)
 bool g_record = false;               // tests: record direct launches instead of making them (CPU)
-PyObject* g_records = nullptr;       // tests: a list of (function, grid, block, shared, stream, params bytes)
+PyObject* g_records = nullptr;       // tests: a list of (function, grid, block, shared, stream, params bytes, pdl)
 
 // cuda.h's CUlaunchAttribute and CUlaunchConfig (the arguments of cuLaunchKernelEx), written out with the same layout:
 // the node is built without the CUDA toolkit. An attribute is its id, padding to 8 bytes, then a 64-byte value union.
@@ -166,7 +166,7 @@ struct Driver {
   using capturing_t = int (*)(void*, int*);
   using errstr_t = int (*)(int, const char**);
   launch_t launch = nullptr;
-  launch_ex_t launch_ex = nullptr;  // cuLaunchKernelEx (CUDA >= 11.8): programmatic dependent launches
+  launch_ex_t launch_ex = nullptr;  // cuLaunchKernelEx, for programmatic dependent launches (null: an old driver)
   ctx_t ctx_current = nullptr;
   capturing_t stream_capturing = nullptr;
   errstr_t error_string = nullptr;
@@ -309,7 +309,8 @@ void direct_launch(uint64_t function, const unsigned* grid, unsigned block, unsi
     attr.id = kProgrammaticStreamSerialization;
     const int allowed = 1;
     std::memcpy(attr.value, &allowed, sizeof(allowed));
-    const LaunchConfig config{grid[0], grid[1], grid[2], block, 1, 1, shared, reinterpret_cast<void*>(stream), &attr, 1};
+    const LaunchConfig config{grid[0], grid[1], grid[2], block, 1, 1, shared, reinterpret_cast<void*>(stream),
+                              &attr, 1};
     rc = g_driver.launch_ex(&config, reinterpret_cast<void*>(function), params, nullptr);
   } else {
     rc = g_driver.launch(reinterpret_cast<void*>(function), grid[0], grid[1], grid[2], block, 1, 1, shared,
