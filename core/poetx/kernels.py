@@ -55,7 +55,7 @@ Other ``k``, one launch per matrix product:
 
 Launches: a layer's fwd+bwd is about eighteen launches of these kernels, most a few microseconds of GPU work each.
 On a GPU with programmatic dependent launch (compute capability >= 9.0, :data:`fastdora._launch.PDL`) every kernel
-here is launched as one: each starts by waiting for the kernel before it (:func:`_after_prior`), so its launch and
+here is launched as one: each starts by waiting for the kernel before it (``gdc_wait``), so its launch and
 the scheduling of its programs overlap the end of that kernel instead of following it; the arithmetic is unchanged
 (the GPU tests compare the results bit for bit). H100, full-depth Llama-8B step: 176.1 against 183.3 ms.
 
@@ -235,16 +235,14 @@ if AVAILABLE:
         else:
             return x.to(ptr.dtype.element_ty)
 
-    @triton.jit
-    def _after_prior(PDL: tl.constexpr):
-        """PDL (a programmatic dependent launch, :func:`fastdora._launch.pdl_applies`): wait until the kernel before
-        this one has finished and its writes are visible, before any load or store here. Every kernel here starts with
-        it. No kernel here lets the next one be scheduled early (``gdc_launch_dependents``): that lets the next
-        kernel's programs take SM resources while they wait, and it made an 8-layer Llama-8B step slower on an H100
-        (wall 60.5 against 58.7 ms without PDL); with the implicit signal at each kernel's end the step is faster
-        (57.2 ms; ``benchmarks/results/poetx_programmatic_dependent_launch_h100_2026-12-07``)."""
-        if PDL:
-            _gdc_wait()
+    # Every kernel below starts with ``if PDL: _gdc_wait()``. Launched as a programmatic dependent launch
+    # (:func:`fastdora._launch.pdl_applies`) it waits there until the kernel before it has finished and its writes are
+    # visible, before any load or store. Written out in each kernel, not as a helper: Triton's interpreter (the CPU
+    # tests) runs a helper call once per program, ~0.3 ms each. No kernel here lets the next one be scheduled early
+    # (``gdc_launch_dependents``): that lets the next kernel's programs take SM resources while they wait, and it made
+    # an 8-layer Llama-8B step slower on an H100 (wall 60.5 against 58.7 ms without PDL); with the implicit signal at
+    # each kernel's end the step is faster (57.2 ms; ``benchmarks/results/
+    # poetx_programmatic_dependent_launch_h100_2026-12-07``).
 
     @triton.jit
     def _rotate_kernel(
@@ -255,7 +253,8 @@ if AVAILABLE:
         BLOCK_K: tl.constexpr, PRESPLIT: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        _after_prior(PDL)
+        if PDL:
+            _gdc_wait()
         # out[r, perm[k·B + c]] = Σ_j t[r, perm[k·B + j]] · G[k, c, j]   (TRANSPOSE: · G[k, j, c]) + bias[perm[k·B + c]]
         # program (group of blocks_per_prog blocks, column tile; row tile): the group index varies fastest, so the
         # programs gathering from one row tile run together (L2); a group of several blocks gathers its rows'
@@ -322,7 +321,8 @@ if AVAILABLE:
         BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_J: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        _after_prior(PDL)
+        if PDL:
+            _gdc_wait()
         # out[s, k, c, j] = Σ_{rows of split s} a[r, perm[k·B + c]] · b[r, perm[k·B + j]] (GATHER False: perm is the
         # identity, not read)
         pid = tl.program_id(0)
@@ -366,7 +366,8 @@ if AVAILABLE:
     @triton.jit
     def _gather_kernel(t_ptr, idx_ptr, out_ptr, N, D, stride_t, stride_o,
                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
-        _after_prior(PDL)
+        if PDL:
+            _gdc_wait()
         # out[r, c] = t[r, idx[c]]: program (column tile, row tile), the column tiles of one row tile running together
         # so that its rows are read from L2 after the first touch
         cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -398,7 +399,8 @@ if AVAILABLE:
     @triton.jit
     def _unpack_kernel(q_ptr, q2_ptr, out_ptr, B, NPK, n_tiles, N1, NBB, PARTS: tl.constexpr, BLOCK_T: tl.constexpr,
                        PDL: tl.constexpr):
-        _after_prior(PDL)
+        if PDL:
+            _gdc_wait()
         # out[k] = the dense skew Q of block k, one tile per program (blocks k >= N1 from q2): fp32, or (PARTS) its
         # two bf16 parts, the low part NBB elements after the high one
         pid = tl.program_id(0)
@@ -485,7 +487,8 @@ if AVAILABLE:
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        _after_prior(PDL)
+        if PDL:
+            _gdc_wait()
         # out[k] = sign·(A[k] @ B[k]) + beta·Q[k] + gamma·I + Σ_{v<nv} c_v·V[v, k],  c_v = 2 (v < nv-1), 1 (v = nv-1)
         # A, B, Q, V: dense fp32 [n, B, B] blocks
         EVEN: tl.constexpr = B % BLOCK_T == 0 and B % BLOCK_K == 0
@@ -514,7 +517,8 @@ if AVAILABLE:
         BLOCK_K: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        _after_prior(PDL)
+        if PDL:
+            _gdc_wait()
         # out[k] = s1·A1[k]·(B1[k] + c1·X1[k]) + s2·A2[k]·B2[k] + s3·A3[k]·B3[k] + cz1·Z1[k] + cz2·Z2[k] + gamma·I
         # (the first NPROD products; X1 and Z2 only when flagged; SYM_A2: A2[k] + A2[k]ᵀ in place of A2[k], the
         # transpose read in the loads); all dense fp32 [n, B, B] blocks. SPLIT: the fp32
@@ -570,7 +574,8 @@ if AVAILABLE:
         B: tl.constexpr, SOFT_BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        _after_prior(PDL)
+        if PDL:
+            _gdc_wait()
         # S = Q·Q from Q's two bf16 parts (qs), three bf16 products (fp32 accumulation); the tile's epilogue, with Q's
         # fp32 tile read from the packed triangles (blocks >= N1 from q2), writes the operands of the next products as
         # two bf16 parts each (so they are split once, not once per tile that reads them): S -> s, S + c·Q -> m and
@@ -598,7 +603,8 @@ if AVAILABLE:
         B: tl.constexpr, SYM_A2: tl.constexpr, SOFT_BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        _after_prior(PDL)
+        if PDL:
+            _gdc_wait()
         # out[k] = s1·A1[k]·B1[k] + s2·A2[k]·B2[k] + cz1·Z1[k] with A1, B1, B2 and A2 stored as two bf16 parts each
         # (:func:`_store_parts`), three bf16 products per pair (fp32 accumulation, one accumulator per product);
         # SYM_A2: A2 dense fp32 and A2 + A2ᵀ in its place, formed and split in the loads. Z1 and out dense fp32
@@ -626,7 +632,8 @@ if AVAILABLE:
     @triton.jit
     def _sum_splits_kernel(p_ptr, out_ptr, M, n_split, SOFT_BF16: tl.constexpr, BLOCK: tl.constexpr,
                            PDL: tl.constexpr):
-        _after_prior(PDL)
+        if PDL:
+            _gdc_wait()
         # out[i] = Σ_s p[s, i], the splits added in order (fp32), one rounding to out's dtype
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < M
@@ -638,7 +645,8 @@ if AVAILABLE:
     @triton.jit
     def _pack_kernel(d_ptr, rows_ptr, cols_ptr, out_ptr, out2_ptr, B, NPK, N1, SOFT_BF16: tl.constexpr,
                      BLOCK: tl.constexpr, PDL: tl.constexpr):
-        _after_prior(PDL)
+        if PDL:
+            _gdc_wait()
         # out[k, m] = D[k, rows[m], cols[m]] - D[k, cols[m], rows[m]]: the gradient of the stored θ of a skew Q;
         # blocks k >= N1 go to out2
         blk = tl.program_id(1)

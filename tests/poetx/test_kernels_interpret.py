@@ -126,7 +126,7 @@ if not _INNER:
         env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         proc = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-            env=env, capture_output=True, text=True, timeout=900,
+            env=env, capture_output=True, text=True, timeout=1800,  # ~13 min on one idle core: a guard against a hang
         )
         assert proc.returncode == 0, f"interpreter suite failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
         assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-2000:]
