@@ -18,8 +18,11 @@
 #   FASTDORA_IT_PYTHON312  Python 3.12 interpreter for axolotl021 (default: python3.12, else pyenv's newest 3.12);
 #                       its torch==2.13.0 comes from PyPI (the CUDA build: no CPU build of torch is on PyPI)
 #   FASTDORA_IT_SKIP_TORCHRUN=1  skip LLaMA-Factory's 2-process torchrun run
+#   FASTDORA_IT_LANES   how many framework tests run at the same time (default 2; with more than 1, OMP_NUM_THREADS
+#                       defaults to 1)
 #
-# Prints the wall time of every venv build and every test, and exits non-zero on the first failure.
+# Prints the wall time of every venv build and every test, and exits non-zero on the first failure (stopping the
+# tests still running).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -116,19 +119,45 @@ TIMES[venvs]=$(( $(date +%s) - t0 ))
 echo "[$(ts)] all venvs ready in ${TIMES[venvs]}s"
 [[ $VENVS_ONLY == 1 ]] && exit 0
 
-# 2. tests, one after another (2 cores)
-for name in $ONLY; do
-  s=$(date +%s)
-  rm -rf "$WORK/$name"
-  extra=()
+# 2. tests, FASTDORA_IT_LANES at a time (default 2: each is mostly one Python process; one thread each on a shared host),
+# the longest first; each writes to its own log, printed when it ends; the first failure stops the others
+LANES="${FASTDORA_IT_LANES:-2}"
+[[ "$LANES" =~ ^[1-9][0-9]*$ ]] || { echo "FASTDORA_IT_LANES must be a positive integer, got '$LANES'" >&2; exit 2; }
+[[ "$LANES" == 1 ]] || export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+declare -A LANE_NAME=() LANE_START=()
+set -m  # each test in its own process group, so that a failure can stop a running one with its trainer processes
+start_test() {
+  local name="$1" extra=() more=()
+  rm -rf "${WORK:?}/$name" "$WORK/$name.log"
   [[ "$name" == llamafactory && "${FASTDORA_IT_SKIP_TORCHRUN:-0}" == 1 ]] && extra+=(--skip-torchrun)
   [[ -n "${ARGS[$name]:-}" ]] && read -ra more <<< "${ARGS[$name]}" && extra+=("${more[@]}")
-  echo "[$(ts)] ===== $name ====="
+  echo "[$(ts)] ===== $name: started (log $WORK/$name.log) ====="
   "$VENVS/$name/bin/python" "$REPO/integration_tests/${TEST[$name]}" "$WORK/$name" \
-      --plugin-options "$OPTIONS" "${extra[@]}"
-  TIMES[$name]=$(( $(date +%s) - s ))
+      --plugin-options "$OPTIONS" "${extra[@]}" > "$WORK/$name.log" 2>&1 &
+  LANE_NAME[$!]="$name"; LANE_START[$!]=$(date +%s)
+}
+reap_test() {  # waits for one running test; prints its log; on failure stops the others and exits
+  local pid rc=0 name
+  wait -n -p pid "${!LANE_NAME[@]}" || rc=$?
+  name="${LANE_NAME[$pid]}"
+  TIMES[$name]=$(( $(date +%s) - LANE_START[$pid] ))
+  unset "LANE_NAME[$pid]"
+  echo "[$(ts)] ===== $name: output ====="
+  cat "$WORK/$name.log"
+  if [[ $rc != 0 ]]; then
+    echo "[$(ts)] $name FAILED (exit $rc) after ${TIMES[$name]}s; log: $WORK/$name.log" >&2
+    for pid in "${!LANE_NAME[@]}"; do kill -- -"$pid" 2>/dev/null || true; done
+    exit 1
+  fi
   echo "[$(ts)] $name passed in ${TIMES[$name]}s"
+}
+for name in axolotl021 llamafactory hf axolotl; do  # longest first (2-core CI host: ~470, 470, 410, 190 s alone)
+  [[ " $ONLY " == *" $name "* ]] || continue
+  while (( ${#LANE_NAME[@]} >= LANES )); do reap_test; done
+  start_test "$name"
 done
+while (( ${#LANE_NAME[@]} > 0 )); do reap_test; done
+set +m
 
 echo "[$(ts)] integration tests passed; wall times (s):"
 for k in "${!TIMES[@]}"; do echo "  $k: ${TIMES[$k]}"; done

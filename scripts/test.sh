@@ -5,6 +5,7 @@
 #                                   (incl. Triton kernels under TRITON_INTERPRET=1) + PEFT's own DoRA tests with
 #                                   fastdora enabled process-wide; then the framework integration tests.
 #   FASTDORA_TEST_QUICK=1 bash scripts/test.sh   fastdora's tests against the newest PEFT only.
+#   FASTDORA_TEST_WORKERS=N bash scripts/test.sh  N pytest-xdist workers (default 2)
 #
 # Virtual environments are cached under $FASTDORA_WORK (default ./.work) within a run.
 set -euo pipefail
@@ -72,9 +73,14 @@ peft_source() {  # the released sdist of PEFT (it ships PEFT's tests)
   echo "$d/peft-$v"
 }
 
+# pytest-xdist workers for fastdora's tests (default 2, the CI host's cores). Tests marked `slow` are collected first;
+# `--maxschedchunk 1` keeps xdist's load scheduler from handing them all to one worker as its first contiguous chunk
+WORKERS=${FASTDORA_TEST_WORKERS:-2}
+
 run_fastdora_tests() {  # run_fastdora_tests VENV [pytest arguments]
   local venv=$1; shift
-  (cd "$ROOT" && "$venv/bin/python" -m pytest tests -q -m "not gpu" -p no:cacheprovider "$@")
+  (cd "$ROOT" && "$venv/bin/python" -m pytest tests -q -m "not gpu" -p no:cacheprovider -n "$WORKERS" \
+    --maxschedchunk 1 "$@")
 }
 
 # the tests that do not touch PEFT (kernels under the interpreter, launch code, POET-X, the source checks) and the
@@ -91,8 +97,8 @@ run_peft_dora_tests() {  # run_peft_dora_tests VENV PEFT_VERSION
   grep -q "class TestDoraCaching" "$src/tests/test_helpers.py" && helpers=(tests/test_helpers.py::TestDoraCaching)
   # deselected: the cases that download a model from the hub (no network here)
   (cd "$src" && OMP_NUM_THREADS=1 PYTHONPATH="$ROOT/tests/peft_compat" "$1/bin/python" -m pytest \
-      "${files[@]}" "${helpers[@]}" -k "dora or DoRA or Dora" -p fastdora_pytest_plugin -o addopts="" -q -n 2 \
-      -p no:cacheprovider \
+      "${files[@]}" "${helpers[@]}" -k "dora or DoRA or Dora" -p fastdora_pytest_plugin -o addopts="" -q \
+      -n "$WORKERS" -p no:cacheprovider \
       --deselect tests/test_custom_models.py::TestPeftCustomModel::test_gpt2_dora_merge_and_unload \
       --deselect tests/test_custom_models.py::TestPeftCustomModel::test_gpt2_dora_merge_and_unload_safe_merge \
       --deselect tests/test_custom_models.py::TestPeftCustomModel::test_dora_save_and_load_remapping \

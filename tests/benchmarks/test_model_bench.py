@@ -148,6 +148,7 @@ def test_sequence_runs_the_given_order(tmp_path):
     assert "internal settings {'lean_forward': False}" in md
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spawn", ["fork", "exec"])
 def test_tiny_run_end_to_end(tmp_path, spawn):
     out = tmp_path / "mb"

@@ -1,8 +1,8 @@
 """The Triton kernels, run on CPU tensors by Triton's interpreter (``TRITON_INTERPRET=1``).
 
 ``TRITON_INTERPRET`` must be set before Triton is imported, and other test modules share the pytest process, so
-this module re-runs itself in a subprocess with the variable set: in the parent process it holds a single test
-(``test_interpreter_suite``); in the child, the real tests below.
+this module re-runs itself in a subprocess with the variable set (``tests/interpreter.py``): in the parent process it
+holds the shard tests of ``test_interpreter_suite``; in the child, the real tests below.
 
 Odd shapes, fp32 / bf16 / fp16 / mixed (bf16 result + fp32 lora), plain and delta form, with and without bias; every
 output and gradient is compared with the eager PyTorch reference (``fastdora.ops``) and an fp64 reference.
@@ -11,28 +11,21 @@ output and gradient is compared with the eager PyTorch reference (``fastdora.ops
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-_INNER = os.environ.get("TRITON_INTERPRET") == "1"
+from ..interpreter import INNER as _INNER
+from ..interpreter import run_suite
 
 if not _INNER:
 
-    def test_interpreter_suite():
+    @pytest.mark.slow
+    @pytest.mark.parametrize("shard", range(2))
+    def test_interpreter_suite(shard):
+        """The tests below under the interpreter, in two shards (~7 min on one core in all)."""
         pytest.importorskip("triton")
-        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=1800,
-        )
-        assert proc.returncode == 0, f"interpreter suite failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
+        run_suite(__file__, shard, 2, timeout=1200)
 
 else:
     pytest.importorskip("triton")

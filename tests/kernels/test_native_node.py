@@ -24,7 +24,8 @@ import torch
 
 from fastdora import config as _config
 
-_INNER = os.environ.get("TRITON_INTERPRET") == "1"
+from ..interpreter import INNER as _INNER
+from ..interpreter import run_suite
 
 
 def _node_env(tmp: str) -> dict:
@@ -50,13 +51,7 @@ if not _INNER:
 
     def test_interpreter_suite(cache_dir):
         pytest.importorskip("triton")
-        env = dict(_node_env(cache_dir), TRITON_INTERPRET="1")
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-            env=env, capture_output=True, text=True, timeout=1200,
-        )
-        assert proc.returncode == 0, (
-            f"native-node interpreter suite failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}")
+        run_suite(__file__, env=_node_env(cache_dir), timeout=1200)
 
     def test_native_mode_parsing(monkeypatch):
         # FASTDORA_NATIVE is read when the settings are made (once per process, at import): a fresh Settings reads it

@@ -146,6 +146,7 @@ def _llama_variants(checkpointing: bool):
         yield name, m, Counting(), compiled
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused,checkpointing", [(False, True), (True, False)],
                          ids=["foreach-checkpointed", "fused-plain"])
 def test_norm_once_per_step_no_recompiles(fused, checkpointing):
@@ -198,6 +199,7 @@ def test_compiled_decoder_layers_read_norm_slots(checkpointing):
     assert max(abs(a - b) for a, b in zip(losses["fastdora"], losses["eager"])) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused,checkpointing", [(False, True), (True, False)],
                          ids=["foreach-checkpointed", "fused-plain"])
 def test_whole_model_compiled_reads_slots_inside_step_scopes(fused, checkpointing):

@@ -1,8 +1,9 @@
 """POET-X's Triton kernels (fastdora.poetx.kernels) on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``).
 
 ``TRITON_INTERPRET`` must be set before Triton is imported and other test modules share the pytest process, so this
-module re-runs itself in a subprocess with the variable set: in the parent process it holds the interpreter suite as
-one test (plus the dispatch tests that need no kernel); in the child, the kernel tests below.
+module re-runs itself in a subprocess with the variable set (``tests/interpreter.py``): in the parent process it holds
+the interpreter suite as four shard tests (plus the dispatch tests that need no kernel); in the child, the kernel
+tests below.
 
 Every kernel output and gradient is compared with the PyTorch path (``kernels.ENABLED = False``) and a float64
 evaluation, at float32 / bfloat16 / float16 activations, float32 and half blocks, odd token counts and block sizes 4 to
@@ -13,9 +14,6 @@ oracle.
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -25,9 +23,10 @@ from fastdora.poetx import ops
 from fastdora.poetx.cayley import cayley_neumann, neumann_series, skew_from_packed, skew_size
 from fastdora.poetx.ops import poetx_layer, poetx_linear
 
+from ..interpreter import INNER as _INNER
+from ..interpreter import run_suite
 from . import oracle
 
-_INNER = os.environ.get("TRITON_INTERPRET") == "1"
 
 F32, BF16, F16, F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
 # one rounding of the output dtype (relative), for results the kernel and the PyTorch path both compute in fp32
@@ -121,15 +120,12 @@ def _oracle_layer(case, terms=3):
 
 if not _INNER:
 
-    def test_interpreter_suite():
+    @pytest.mark.slow
+    @pytest.mark.parametrize("shard", range(4))
+    def test_interpreter_suite(shard):
+        """The kernel tests below under the interpreter, in four shards (~13 min on one core in all)."""
         pytest.importorskip("triton")
-        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-            env=env, capture_output=True, text=True, timeout=1800,  # ~13 min on one idle core: a guard against a hang
-        )
-        assert proc.returncode == 0, f"interpreter suite failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
-        assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-2000:]
+        run_suite(__file__, shard, 4, timeout=1200)
 
     def test_cpu_tensors_take_the_pytorch_path():
         """Without the interpreter's opt-in, CPU tensors never reach a kernel (a launch here would fail)."""
