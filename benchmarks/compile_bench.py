@@ -223,11 +223,17 @@ def run_worker(a) -> None:
     rec["grad_host_s"], rec["infer_host_s"] = statistics.median(host_train), statistics.median(host_infer)
     rec["gc_s_timed"], rec["gc_collections_timed"] = gc_s
     model.train()  # (the profiled iteration below trains)
-    if a.profile and dev.type == "cuda":
-        rec["profile"] = profile_iteration(grad_iter, sync)
-        rec["profile"]["host_syncs"] = host_syncs(grad_iter, sync)
+    if a.profile:  # GPU kernels and host syncs on CUDA; the host's Python functions on any device
+        cuda = dev.type == "cuda"
+        rec["profile"] = profile_iteration(grad_iter, sync) if cuda else {}
+        if cuda:
+            rec["profile"]["host_syncs"] = host_syncs(grad_iter, sync)
+        rec["profile"]["host_functions"] = host_functions(grad_iter, sync)
         model.eval()
-        rec["profile_infer"] = profile_iteration(infer, sync)
+        infer()  # (the adapters changed in the profiled iterations: the first forward computes the norms)
+        sync()
+        rec["profile_infer"] = profile_iteration(infer, sync) if cuda else {}
+        rec["profile_infer"]["host_functions"] = host_functions(infer, sync)
         model.train()
     rec["graphs_compiled"] = int(counters["stats"]["unique_graphs"])
     rec["graphs_compiled_while_timed"] = rec["graphs_compiled"] - graphs_after_warmup
@@ -270,6 +276,29 @@ def profile_iteration(grad_iter, sync, top: int = 30) -> dict:
     return dict(gpu_kernel_ms_total=sum(v[0] for v in kernels.values()),
                 top_kernels=[[k[:90], round(v[0], 3), v[1]] for k, v in ranked[:top]],
                 fastdora_ops_host_ms=host)
+
+
+def host_functions(fn, sync, top: int = 40) -> dict:
+    """One call of ``fn`` under Python's ``cProfile``: the ``top`` functions by own host time (``own``) and fastdora's
+    functions by cumulative time (``fastdora``), each ``[function, own ms, cumulative ms, calls]``, to compare where
+    the host time of variants goes (cProfile's overhead inflates all)."""
+    import cProfile
+    import pstats
+
+    sync()
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    sync()
+    stats = pstats.Stats(prof).stats
+    rows = [(f"{os.path.basename(f)}:{line}:{name}", tt * 1e3, ct * 1e3, nc, f)
+            for (f, line, name), (cc, nc, tt, ct, _) in stats.items()]
+    own = sorted(rows, key=lambda r: -r[1])[:top]
+    ours = sorted((r for r in rows if f"{os.sep}fastdora{os.sep}" in r[4] or f"{os.sep}core{os.sep}" in r[4]),
+                  key=lambda r: -r[2])[:top]
+    return {name: [[k, round(tt, 3), round(ct, 3), nc] for k, tt, ct, nc, _ in sel]
+            for name, sel in (("own", own), ("fastdora", ours))}
 
 
 def host_syncs(grad_iter, sync) -> dict:
@@ -462,7 +491,7 @@ def build_parser():
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
     p.add_argument("--profile", action="store_true",
                    help="also profile one gradient iteration and one inference forward per config (GPU time per "
-                        "kernel, in the JSON)")
+                        "kernel and host syncs on CUDA; the host's Python functions on any device; in the JSON)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--result")
     p.add_argument("--rank", type=int, default=384)
