@@ -292,11 +292,12 @@ def host_functions(fn, sync, top: int = 40) -> dict:
     prof.disable()
     sync()
     stats = pstats.Stats(prof).stats
+    # fastdora's source files: those of its imported modules (wherever the package is installed from)
+    files = {getattr(m, "__file__", None) for n, m in list(sys.modules.items()) if n.split(".")[0] == "fastdora"}
     rows = [(f"{os.path.basename(f)}:{line}:{name}", tt * 1e3, ct * 1e3, nc, f)
             for (f, line, name), (cc, nc, tt, ct, _) in stats.items()]
     own = sorted(rows, key=lambda r: -r[1])[:top]
-    ours = sorted((r for r in rows if f"{os.sep}fastdora{os.sep}" in r[4] or f"{os.sep}core{os.sep}" in r[4]),
-                  key=lambda r: -r[2])[:top]
+    ours = sorted((r for r in rows if r[4] in files), key=lambda r: -r[2])[:top]
     return {name: [[k, round(tt, 3), round(ct, 3), nc] for k, tt, ct, nc, _ in sel]
             for name, sel in (("own", own), ("fastdora", ours))}
 

@@ -151,8 +151,12 @@ reap_test() {  # waits for one running test; prints its log; on failure stops th
   fi
   echo "[$(ts)] $name passed in ${TIMES[$name]}s"
 }
-for name in axolotl021 llamafactory hf axolotl; do  # longest first (2-core CI host: ~470, 470, 410, 190 s alone)
-  [[ " $ONLY " == *" $name "* ]] || continue
+ORDER=()
+for name in axolotl021 llamafactory hf axolotl $ONLY; do  # longest first (2-core CI host: ~470, 470, 410, 190 s
+  # alone), then any other requested one: each requested name once
+  if [[ " $ONLY " == *" $name "* && " ${ORDER[*]} " != *" $name "* ]]; then ORDER+=("$name"); fi
+done
+for name in "${ORDER[@]}"; do
   while (( ${#LANE_NAME[@]} >= LANES )); do reap_test; done
   start_test "$name"
 done

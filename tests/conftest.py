@@ -25,11 +25,14 @@ def _shard(config, items):
         return
     try:
         index, count = (int(v) for v in raw.split("/"))
-        assert 0 <= index < count
-    except (ValueError, AssertionError):
-        raise pytest.UsageError(f"{SHARD_ENV} must be 'i/n' with 0 <= i < n, got {raw!r}") from None
-    keep = [item for k, item in enumerate(items) if k % count == index]
-    config.hook.pytest_deselected(items=[item for k, item in enumerate(items) if k % count != index])
+    except ValueError:
+        index = count = -1
+    if not 0 <= index < count:
+        raise pytest.UsageError(f"{SHARD_ENV} must be 'i/n' with 0 <= i < n, got {raw!r}")
+    keep, drop = [], []
+    for k, item in enumerate(items):
+        (keep if k % count == index else drop).append(item)
+    config.hook.pytest_deselected(items=drop)
     items[:] = keep
 
 
