@@ -256,32 +256,37 @@ def run_worker(a) -> None:
 
 def profile_iteration(grad_iter, sync, top: int = 30) -> dict:
     """One gradient iteration (or inference forward) under ``torch.profiler``: GPU time per kernel name (the ``top``
-    largest, with counts), the total GPU kernel time, and the host time of fastdora's cached-norm op."""
+    largest, with counts), the total GPU kernel time and launch count, the host time and count of the CUDA runtime
+    and driver calls (kernel launches, copies, syncs), and the host time of fastdora's cached-norm op."""
     import torch
 
     act = torch.profiler.ProfilerActivity
     with torch.profiler.profile(activities=[act.CPU, act.CUDA]) as prof:
         grad_iter()
         sync()
-    kernels, host = {}, {}
+    kernels, host, api = {}, {}, {}
     for e in prof.key_averages():
         dev_us = getattr(e, "self_device_time_total", None)
         if dev_us is None:
             dev_us = getattr(e, "self_cuda_time_total", 0)
         if dev_us and e.device_type == torch.autograd.DeviceType.CUDA:
             kernels[e.key] = (dev_us / 1e3, e.count)
+        elif e.key.startswith(("cuda", "cu")) and e.device_type == torch.autograd.DeviceType.CPU:
+            api[e.key] = (round(e.cpu_time_total / 1e3, 3), e.count)
         if "fastdora" in e.key:
             host[e.key] = (e.cpu_time_total / 1e3, e.count)
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
     return dict(gpu_kernel_ms_total=sum(v[0] for v in kernels.values()),
+                gpu_kernel_launches=sum(v[1] for v in kernels.values()),
                 top_kernels=[[k[:90], round(v[0], 3), v[1]] for k, v in ranked[:top]],
+                cuda_api_host_ms=dict(sorted(api.items(), key=lambda kv: -kv[1][0])),
                 fastdora_ops_host_ms=host)
 
 
-def host_functions(fn, sync, top: int = 40) -> dict:
-    """One call of ``fn`` under Python's ``cProfile``: the ``top`` functions by own host time (``own``) and fastdora's
-    functions by cumulative time (``fastdora``), each ``[function, own ms, cumulative ms, calls]``, to compare where
-    the host time of variants goes (cProfile's overhead inflates all)."""
+def host_functions(fn, sync, top: int = 60) -> dict:
+    """One call of ``fn`` under Python's ``cProfile``: the ``top`` functions by own host time (``own``), by cumulative
+    time (``cumulative``) and fastdora's functions by cumulative time (``fastdora``), each ``[function, own ms,
+    cumulative ms, calls]``, to compare where the host time of variants goes (cProfile's overhead inflates all)."""
     import cProfile
     import pstats
 
@@ -297,9 +302,10 @@ def host_functions(fn, sync, top: int = 40) -> dict:
     rows = [(f"{os.path.basename(f)}:{line}:{name}", tt * 1e3, ct * 1e3, nc, f)
             for (f, line, name), (cc, nc, tt, ct, _) in stats.items()]
     own = sorted(rows, key=lambda r: -r[1])[:top]
+    cumulative = sorted(rows, key=lambda r: -r[2])[:top]
     ours = sorted((r for r in rows if r[4] in files), key=lambda r: -r[2])[:top]
     return {name: [[k, round(tt, 3), round(ct, 3), nc] for k, tt, ct, nc, _ in sel]
-            for name, sel in (("own", own), ("fastdora", ours))}
+            for name, sel in (("own", own), ("cumulative", cumulative), ("fastdora", ours))}
 
 
 def host_syncs(grad_iter, sync) -> dict:

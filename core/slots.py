@@ -16,6 +16,11 @@ time); reading the norm as a tensor instead took the iteration from 1.12x to 1.0
 - the model's :class:`Root` is *active* from then to the end of that forward (exceptions included), and again during
   that forward's backward (a checkpoint may call a compiled layer again there).
 
+Inside a step scope (below) whose refresh still holds (no optimizer step, ``load_state_dict`` or
+:func:`fastdora.invalidate_norm_cache` since: the norm cache's epoch is unchanged), a forward skips the refresh: every
+gradient-accumulation micro-batch after the first would repeat the scope's checks (~20 us per layer on a CPU core,
+all before the GPU has work queued).
+
 A model whose DoRA Linear layers all ran eagerly in its previous forward (or, at its first forward, that has no
 compiled submodule) skips the refresh: eager layers keep their own cache, and the check costs ~6 us per layer on a
 CPU core. The first forward after compiling such a model's layers traces the op; the next one refreshes and compiles
@@ -62,6 +67,7 @@ class Root:
         self.active = False
         self.depth = 0  # nesting of the model's eager forwards
         self.holds = 0  # nesting of step scopes (hold / release)
+        self.refreshed_epoch = -1  # the norm cache's epoch at the last refresh
         self.entries = entries  # (LoRA layer, adapter, magnitude module)
         self.calls_at_enter = 0  # eager DoRA Linear calls recorded before the current forward
         # the last forward ran at least as many eager DoRA Linear calls as there are slots (None: before the first
@@ -97,6 +103,29 @@ def _entries(model: nn.Module) -> list:
     return out
 
 
+def _fresh(module: nn.Module, adapter: str, mag: nn.Module, epoch: int) -> bool:
+    """Whether the slot's last refresh still holds, checked without building its key (a few attribute reads and
+    dict lookups; the key, ~4x the host time, is built only when this says no): the same cache epoch, scale and
+    ``W``, ``A``, ``B`` tensor objects, held by the same modules, at the same storage and versions."""
+    rec = mag.__dict__.get(_cache.SLOT_KEYS_ATTR, _NO_KEYS).get(adapter)
+    if rec is None or adapter not in mag.__dict__.get(_layers.SLOT_ATTR, _NO_KEYS):
+        return False
+    key, base, weight, lora_A, lora_B = rec
+    k_epoch, wkey, akey, bkey, scale = key
+    return (
+        k_epoch == epoch
+        and lora_B._version == bkey[1] and lora_A._version == akey[1] and weight._version == wkey[1]
+        and lora_B.data_ptr() == bkey[0] and lora_A.data_ptr() == akey[0] and weight.data_ptr() == wkey[0]
+        and module._modules["lora_B"]._modules[adapter]._parameters.get("weight") is lora_B
+        and module._modules["lora_A"]._modules[adapter]._parameters.get("weight") is lora_A
+        and module._modules.get("base_layer") is base and base._parameters.get("weight") is weight
+        and module.scaling[adapter] == scale
+    )
+
+
+_NO_KEYS: dict = {}
+
+
 def _refresh_one(module: nn.Module, adapter: str, mag: nn.Module) -> bool:
     base = _layers._base_layer(module)
     weight = _layers._stored_weight(base)
@@ -112,7 +141,8 @@ def _refresh_one(module: nn.Module, adapter: str, mag: nn.Module) -> bool:
     slots = mag.__dict__.setdefault(_layers.SLOT_ATTR, {})
     keys = mag.__dict__.setdefault(_cache.SLOT_KEYS_ATTR, {})
     slot = slots.get(adapter)
-    if slot is not None and keys.get(adapter) == key:
+    rec = keys.get(adapter)
+    if slot is not None and rec is not None and rec[0] == key:
         return True
     norm = mag._fd_linear_norm(base, module.lora_A[adapter], module.lora_B[adapter], scale, adapter)  # (the forward's)
     acc = _dispatch._acc(weight, lora_A, lora_B)  # the op's dtype: the same slot whichever path traced first
@@ -120,17 +150,21 @@ def _refresh_one(module: nn.Module, adapter: str, mag: nn.Module) -> bool:
         slot = torch.empty(norm.shape, dtype=acc, device=norm.device)
         slots[adapter] = slot
     slot.copy_(norm)
-    keys[adapter] = key
+    # the key and the objects :func:`_fresh` checks (the base layer: only a direct ``base_layer`` child)
+    keys[adapter] = (key, module._modules.get("base_layer"), weight, lora_A, lora_B)
     record("norm:slot_refresh")
     return True
 
 
 def refresh(root: Root) -> bool:
     """Bring every slot of ``root`` up to date; False where one layer's norm cannot be keyed (then none is read)."""
-    ok = True
+    ok, epoch = True, _cache.epoch()
     with torch.no_grad():
         for module, adapter, mag in root.entries:
-            ok = _refresh_one(module, adapter, mag) and ok
+            if not _fresh(module, adapter, mag, epoch):
+                ok = _refresh_one(module, adapter, mag) and ok
+    root.refreshed_epoch = _cache.epoch()
+    record("norm:slot_checks")
     return ok
 
 
@@ -142,9 +176,12 @@ def _enter(model: nn.Module, args) -> None:
     if root.depth == 1:
         if root.ran_eager is None:
             root.ran_eager = not _has_compiled_modules(model)
-        # a model whose DoRA layers all ran eagerly in its last forward reads no slot: no refresh (the eager layers
-        # keep their own cache); once compiled layers run, the next forward refreshes again
-        root.active = (not root.ran_eager) and _usable() and refresh(root)
+        if root.holds and root.active and root.refreshed_epoch == _cache.epoch():
+            pass  # a micro-batch inside a step scope: the scope's refresh stands until the optimizer step
+        else:
+            # a model whose DoRA layers all ran eagerly in its last forward reads no slot: no refresh (the eager
+            # layers keep their own cache); once compiled layers run, the next forward refreshes again
+            root.active = (not root.ran_eager) and _usable() and refresh(root)
         root.calls_at_enter = _eager_linear_calls()
 
 
@@ -265,9 +302,11 @@ def step_scope(model: nn.Module):
     a model compiled whole (``torch.compile(model)``): until the optimizer step, the compiled graph reads each
     layer's norm slot (refreshed when the scope opens) instead of calling fastdora's norm op per layer and forward.
     Open one scope per optimizer step (forwards after the step inside the same scope run the op: correct, one more
-    graph). Between the scope's start and its optimizer step, do not change the adapters any other way (an in-place
-    edit, ``load_state_dict``): the graph would not see it before the next scope. fastdora's trainer callback opens
-    one per optimizer step."""
+    graph). Between the scope's start and its optimizer step, do not change the adapters or base weights any other
+    way (an in-place edit under ``torch.no_grad()``, ``load_state_dict``): a model compiled whole would not see it
+    before the next scope, nor would the next forward of a model whose layers are compiled unless the change bumped
+    the norm cache's epoch (``load_state_dict`` of the model, :func:`fastdora.invalidate_norm_cache`). fastdora's
+    trainer callback opens one per optimizer step."""
     held = hold(model)
     try:
         yield held

@@ -199,6 +199,40 @@ def test_compiled_decoder_layers_read_norm_slots(checkpointing):
     assert max(abs(a - b) for a, b in zip(losses["fastdora"], losses["eager"])) < 1e-5
 
 
+def test_step_scope_checks_slots_once_per_step_for_compiled_layers():
+    """Decoder layers compiled, each optimizer step inside ``fastdora.step_scope`` (as the trainer callback opens
+    them): the slots are checked when the scope opens and not again at each gradient-accumulation micro-batch; losses
+    equal eager fastdora's. Inside a scope, ``load_state_dict`` of new adapter values is seen by the next forward."""
+    models, losses = {}, {}
+    for name, m, backend, compiled in _llama_variants(checkpointing=True):
+        if name == "lora":
+            continue
+        if compiled:
+            for layer in m.get_base_model().model.layers:
+                layer.compile(backend=backend)
+        active_path_counter.clear()
+        losses[name] = _train(m, lambda x: m(input_ids=x, labels=x), steps=3, ga=3, scope=fastdora.step_scope)
+        models[name] = m
+        if name == "fastdora":
+            layers = _dora_layers(m)
+            assert active_path_counter["norm:slot_checks"] == 3, dict(active_path_counter)  # one per scope
+            assert active_path_counter["norm:slot_refresh"] == layers * 3, dict(active_path_counter)
+            assert "compiled:norm_op" not in active_path_counter, dict(active_path_counter)
+    assert max(abs(a - b) for a, b in zip(losses["fastdora"], losses["eager"])) < 1e-5
+    eager, fast = models["eager"], models["fastdora"]
+    x = torch.randint(0, 64, (2, 8))
+    g = torch.Generator().manual_seed(9)
+    new = {k: torch.randn(v.shape, generator=g) * 0.1 for k, v in fast.state_dict().items() if "lora_B" in k}
+    with fastdora.step_scope(fast):
+        torch.testing.assert_close(fast(input_ids=x).logits, eager(input_ids=x).logits, rtol=1e-5, atol=1e-5)
+        active_path_counter.clear()
+        for m in (fast, eager):
+            m.load_state_dict(new, strict=False)
+        torch.testing.assert_close(fast(input_ids=x).logits, eager(input_ids=x).logits, rtol=1e-5, atol=1e-5)
+        assert active_path_counter["norm:slot_checks"] == 1, dict(active_path_counter)
+        assert active_path_counter["norm:slot_refresh"] == _dora_layers(fast), dict(active_path_counter)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fused,checkpointing", [(False, True), (True, False)],
                          ids=["foreach-checkpointed", "fused-plain"])
@@ -315,6 +349,52 @@ def test_norm_slots_only_inside_the_models_forward():
     assert fastdora.disable(m) == 2
     assert not m._forward_pre_hooks and not m._forward_hooks
     assert not any(slots.SLOT_ATTRS & set(mod.__dict__) for mod in m.modules())
+
+
+def test_norm_slots_refresh_sees_every_change_to_a_layer():
+    """Decoder layers compiled, no-grad forwards of the (eager) model: a forward after no change recomputes no slot;
+    after each change to one layer (an in-place edit of ``lora_A``, of ``lora_B`` or of the base weight, a storage
+    swap through ``.data``, a new ``lora_B`` parameter object, a new scale) exactly that layer's slot is recomputed
+    and the logits equal stock PEFT's on the same parameters."""
+    base = _llama()
+    m, ref = _peft(base), _peft(base, fast=False)
+    for layer in m.get_base_model().model.layers:
+        layer.compile(backend="aot_eager")
+    torch._dynamo.reset()
+    x = torch.randint(0, 64, (2, 8))
+    q, k = m.get_base_model().model.layers[1].self_attn.q_proj, m.get_base_model().model.layers[0].mlp.up_proj
+    q_ref = ref.get_base_model().model.layers[1].self_attn.q_proj
+    k_ref = ref.get_base_model().model.layers[0].mlp.up_proj
+
+    def new_b(layer):
+        layer.lora_B["default"].weight = torch.nn.Parameter(layer.lora_B["default"].weight.detach() * 0.5)
+
+    def scale(layer):
+        layer.scaling["default"] *= 1.5
+
+    changes = [
+        ("A in place", lambda layer: layer.lora_A["default"].weight.mul_(1.1)),
+        ("B in place", lambda layer: layer.lora_B["default"].weight.add_(0.01)),
+        ("W in place", lambda layer: layer.base_layer.weight.mul_(0.9)),
+        ("W storage", lambda layer: setattr(layer.base_layer.weight, "data", layer.base_layer.weight.data * 2.0)),
+        ("B object", new_b),
+        ("scale", scale),
+    ]
+    m.eval()
+    ref.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(m(input_ids=x).logits, ref(input_ids=x).logits, rtol=1e-5, atol=1e-5)
+        active_path_counter.clear()
+        m(input_ids=x)
+        assert "norm:slot_refresh" not in active_path_counter and active_path_counter["norm:slot_checks"] == 1
+        for i, (name, change) in enumerate(changes):
+            layer, layer_ref = (q, q_ref) if i % 2 == 0 else (k, k_ref)
+            change(layer)
+            change(layer_ref)
+            active_path_counter.clear()
+            got = m(input_ids=x).logits
+            assert active_path_counter["norm:slot_refresh"] == 1, (name, dict(active_path_counter))
+            torch.testing.assert_close(got, ref(input_ids=x).logits, rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_layers_share_one_compiled_graph():
