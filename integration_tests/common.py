@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -41,20 +42,28 @@ def free_port() -> int:
 
 
 def run(cmd, env=None, cwd=None, log_path=None, timeout=900) -> float:
-    """Run a command; on failure print the tail of its output and raise. Returns the wall time."""
+    """Run a command (in its own process group); on failure or past ``timeout`` seconds (the whole group is killed
+    then) write its output to ``log_path``, print the tail and raise. Returns the wall time."""
     full_env = dict(os.environ)
     full_env.update(env or {})
     t0 = time.time()
     log("$ " + " ".join(cmd) + (f"   (env {env})" if env else ""))
-    proc = subprocess.run(cmd, env=full_env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=timeout)
+    proc = subprocess.Popen(cmd, env=full_env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun's workers too
+        out, _ = proc.communicate()
+        rc = f"killed after the {timeout} s timeout"
     dt = time.time() - t0
     if log_path:
         with open(log_path, "w", encoding="utf-8") as f:
-            f.write(proc.stdout)
-    if proc.returncode != 0:
-        print(proc.stdout[-12000:])
-        raise SystemExit(f"command failed (rc={proc.returncode}) after {dt:.1f}s: {' '.join(cmd)}")
+            f.write(out)
+    if rc != 0:
+        print(out[-12000:])
+        raise SystemExit(f"command failed (rc={rc}) after {dt:.1f}s: {' '.join(cmd)}")
     log(f"  ok in {dt:.1f}s" + (f" (log: {log_path})" if log_path else ""))
     return dt
 

@@ -104,13 +104,15 @@ def main() -> None:
             engine = str(getattr(trainer.accelerator.state, "distributed_type", "unknown"))
             json.dump({"losses": losses, "final_state": state, "world_size": trainer.args.world_size,
                        "engine": engine, "fsdp": bool(getattr(trainer, "is_fsdp_enabled", False))}, f)
-    print(json.dumps({"losses": losses, **state}))
+    print(json.dumps({"losses": losses, **state}), flush=True)
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():  # torchrun workers: end the process group before exiting (a
-        # group left to the interpreter's exit can abort the process: "terminate called without an active exception")
-        dist.barrier()
-        dist.destroy_process_group()
+    if dist.is_available() and dist.is_initialized():
+        # torchrun workers: every collective is done and every output written; exit without tearing the process
+        # group down (a group left to the interpreter's exit can abort the process, "terminate called without an
+        # active exception"; a closing barrier once hung a 2-core CI run for its whole timeout)
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -97,7 +97,7 @@ def one_fsdp2(work: str, paths: dict, plugin_options: str, steps: int = 4) -> di
                "--data", paths["text"], "--out", d, "--steps", str(steps)]
         if mode == "fastdora":
             cmd += ["--fastdora", "--fastdora-options", plugin_options]
-        times[mode] = run(cmd, log_path=os.path.join(work, f"fsdp2_{mode}.log"))
+        times[mode] = run(cmd, log_path=os.path.join(work, f"fsdp2_{mode}.log"), timeout=300)  # (~25 s each)
         out[mode] = d
     reps = check_rank_reports(out["fastdora"], what, world_size=2)  # every rank converts and runs its own model
     check_no_report(out["stock"], what + " (no callback)")
