@@ -271,7 +271,7 @@ def profile_iteration(grad_iter, sync, top: int = 30) -> dict:
             dev_us = getattr(e, "self_cuda_time_total", 0)
         if dev_us and e.device_type == torch.autograd.DeviceType.CUDA:
             kernels[e.key] = (dev_us / 1e3, e.count)
-        elif e.key.startswith(("cuda", "cu")) and e.device_type == torch.autograd.DeviceType.CPU:
+        elif e.key.startswith("cu") and e.device_type == torch.autograd.DeviceType.CPU:
             api[e.key] = (round(e.cpu_time_total / 1e3, 3), e.count)
         if "fastdora" in e.key:
             host[e.key] = (e.cpu_time_total / 1e3, e.count)

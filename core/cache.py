@@ -37,8 +37,8 @@ from torch import nn
 
 from .stats import record
 
-__all__ = ["epoch", "invalidate", "ensure_step_hook", "keys", "local_key", "tensor_key", "get", "base", "put",
-           "clear", "drop_from_state", "ATTRS", "anchored_get", "anchored_put"]
+__all__ = ["epoch", "invalidate", "ensure_step_hook", "keys", "local_key", "local_key_holds", "tensor_key", "get",
+           "base", "put", "clear", "drop_from_state", "ATTRS", "anchored_get", "anchored_put"]
 
 _EPOCH = 0  # bumped after every optimizer step / load_state_dict / invalidate()
 _LOAD_EPOCH = 0  # bumped on load_state_dict / invalidate() only (the frozen base weight's norm)
@@ -106,6 +106,19 @@ def local_key(weight_src: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tens
     wkey, akey, bkey = _tkey(weight_src), _tkey(lora_A), _tkey(lora_B)
     key = None if (akey is None or bkey is None) else (_EPOCH, wkey, akey, bkey, float(scale))
     return key, wkey
+
+
+def local_key_holds(key, weight_src: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float) -> bool:
+    """Whether ``key``, built by :func:`local_key` from these same tensor objects, still holds: the same epoch and
+    scale, each tensor at the same storage and version. A fraction of the host time of building the key again (the
+    per-layer check that runs before every compiled forward, ``fastdora.slots``)."""
+    k_epoch, wkey, akey, bkey, k_scale = key
+    return (
+        k_epoch == _EPOCH
+        and lora_B._version == bkey[1] and lora_A._version == akey[1] and weight_src._version == wkey[1]
+        and lora_B.data_ptr() == bkey[0] and lora_A.data_ptr() == akey[0] and weight_src.data_ptr() == wkey[0]
+        and scale == k_scale
+    )
 
 
 def _logical_shape(t: torch.Tensor) -> tuple:
