@@ -219,6 +219,12 @@ def anchored_get(anchor: torch.Tensor, key, wkey) -> tuple[Optional[torch.Tensor
     return None, (entry[3] if (wkey is not None and entry[2] == wkey) else None)
 
 
+def anchored_drop(anchor: torch.Tensor) -> None:
+    """Forget the entry held by ``anchor``'s storage (a merge or unmerge changed the base weight in place, which PEFT
+    >= 0.22 does through ``.data.copy_``: no version counter moves)."""
+    _ANCHORED.pop(anchor.untyped_storage(), None)
+
+
 def anchored_put(anchor: torch.Tensor, key, norm: torch.Tensor, wkey, base_sq: torch.Tensor,
                  base_was_cached: bool) -> None:
     """Store a computed norm on ``anchor``'s storage; counts ``norm:computed`` or ``norm:computed_base_cached``."""

@@ -392,6 +392,17 @@ class FastDoraEmbeddingLayer(_FastDoraMixin, PEFT_CLASSES["DoraEmbeddingLayer"])
         return g, g * lora.to(acc) * scaling
 
 
+def _conv_without_bias(dora_layer, base_layer, x):
+    """The base convolution without its bias, as the installed PEFT computes it where dropout leaves no base result:
+    PEFT >= 0.22 calls the layer's own ``_conv_forward`` (its ``padding_mode`` included), older releases
+    ``conv_fn(x, W, stride, padding, dilation, groups)`` (zero padding whatever the layer's mode)."""
+    conv_fn = getattr(dora_layer, "conv_fn", None)
+    if conv_fn is None:
+        return base_layer._conv_forward(x, base_layer.weight, None)
+    return conv_fn(x, base_layer.weight, bias=None, stride=base_layer.stride, padding=base_layer.padding,
+                   dilation=base_layer.dilation, groups=base_layer.groups)
+
+
 class _FastDoraConvNdMixin(_FastDoraMixin):
     _fastdora_kind = "conv"
 
@@ -439,16 +450,7 @@ class _FastDoraConvNdMixin(_FastDoraMixin):
         lora = lora_B(lora_A(x))
         base_delta = None
         if base_result is None:
-            w = base_layer.weight
-            base_delta = self.conv_fn(
-                x,
-                w,
-                bias=None,
-                stride=base_layer.stride,
-                padding=base_layer.padding,
-                dilation=base_layer.dilation,
-                groups=base_layer.groups,
-            )
+            base_delta = _conv_without_bias(self, base_layer, x)
         return self._fd_output(
             lora, norm, eps, scaling, base_layer, base_result, base_delta, fastdora_result, fastdora_out_dtype, 1
         )
@@ -479,6 +481,11 @@ def _invalidate(module, active_adapter: str) -> None:
     mag = _distributed.unwrap(module.lora_magnitude_vector[active_adapter])
     if isinstance(mag, _FastDoraMixin):
         mag._fd_invalidate()
+    # the compiled path's entries are held by B's storage (fastdora.dispatch.cached_norm)
+    lora_B = module.lora_B[active_adapter].weight if active_adapter in module.lora_B else (
+        module.lora_embedding_B[active_adapter] if active_adapter in getattr(module, "lora_embedding_B", {}) else None)
+    if isinstance(lora_B, torch.Tensor):
+        _cache.anchored_drop(lora_B)
 
 
 def _merge_wrapper(peft_cls, name: str):

@@ -101,6 +101,28 @@ def test_cached_norm_equals_fresh_norm_and_is_reused():
     torch.testing.assert_close(cached, dense, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("safe", [False, True])
+def test_compiled_path_norm_after_merge_round_trip(safe):
+    """The compiled path's norm (``fastdora::cached_norm``, held by B's storage) after a merge and an unmerge: W holds
+    the round trip's rounding, which PEFT >= 0.22 writes in place through ``.data.copy_`` (no version counter moves,
+    the storage stays): the norm is that of the new W, not the cached one."""
+    from fastdora.dispatch import cached_norm
+
+    _, fast = make_pair(MLP, dtype=torch.bfloat16)
+    lin = _lin(fast)
+    w, s = lin.base_layer.weight, lin.scaling["default"]
+    a, b = lin.lora_A["default"].weight, lin.lora_B["default"].weight
+    before_w = w.detach().clone()
+    first = cached_norm(w, a, b, s, kernels="eager").clone()
+    lin.merge(safe_merge=safe)
+    lin.unmerge()
+    w = lin.base_layer.weight
+    assert not torch.equal(w, before_w)  # the round trip moved W (else this test could not see a stale norm)
+    fresh, _ = factored_norm_eager(w, a, b, s)
+    got = cached_norm(w, a, b, s, kernels="eager")
+    assert torch.equal(got, fresh.to(got.dtype)) and not torch.equal(got, first)
+
+
 @pytest.mark.parametrize("d_out,d_in,r", [(37, 53, 5), (64, 300, 16), (5, 1000, 3)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
 def test_factored_norm_matches_dense_fp64(d_out, d_in, r, dtype):

@@ -78,6 +78,33 @@ def test_dropout_same_rng(name, dtype):
     assert_same_grads(g_f, g_r, dtype, "dropout")
 
 
+class _PaddedConv(torch.nn.Module):
+    def __init__(self, padding_mode):
+        super().__init__()
+        self.conv0 = torch.nn.Conv2d(4, 6, 3, padding=1, padding_mode=padding_mode)
+        self.conv1 = torch.nn.Conv2d(6, 6, 3, padding=1, padding_mode=padding_mode)
+
+    def forward(self, x):
+        return self.conv1(torch.relu(self.conv0(x)))
+
+
+@pytest.mark.parametrize("padding_mode", ["zeros", "reflect", "circular"])
+def test_dropout_conv_padding_modes(padding_mode):
+    """dropout > 0 in train mode leaves no base result: the base convolution runs again on the dropped input, as the
+    installed PEFT runs it (PEFT >= 0.22: the layer's own ``_conv_forward``, padding mode included; older: zero
+    padding)."""
+    dtype = torch.float64
+    ref, fast = make_pair(functools.partial(_PaddedConv, padding_mode), dtype=dtype, lora_dropout=0.3,
+                          target_modules=["conv0", "conv1"])
+    ref.train()
+    fast.train()
+    x = torch.randn(3, 4, 8, 8, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    out_r, g_r = forward_backward(ref, x, seed=5)
+    out_f, g_f = forward_backward(fast, x, seed=5)
+    assert_close(out_f, out_r, dtype, "dropout output")
+    assert_same_grads(g_f, g_r, dtype, "dropout")
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 def test_trainable_bias_gradient(dtype):
     ref, fast = make_pair(MODELS["linear_bias"], dtype=dtype, bias="all")
