@@ -75,9 +75,19 @@ def direct_launch_refusal(triton_version: Optional[str], setting: bool, cuda: bo
     return None
 
 
+def _cxx_standard(torch_version: str) -> str:
+    """The C++ standard to build against ``torch_version``'s headers: C++20 from torch 2.12 on (the standard its own
+    ``torch.utils.cpp_extension`` builds with; torch 2.14's ATen headers refuse anything older), C++17 before."""
+    try:
+        major, minor = (int(p) for p in torch_version.split("+")[0].split(".")[:2])
+    except ValueError:  # an unparseable version: a build from source, newer than any release this was written for
+        return "c++20"
+    return "c++20" if (major, minor) >= (2, 12) else "c++17"
+
+
 def _build_key(src: bytes) -> str:
     h = hashlib.sha256(src)
-    for part in (torch.__version__, str(triton_version()), sys.version,
+    for part in (torch.__version__, _cxx_standard(torch.__version__), str(triton_version()), sys.version,
                  str(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", "")), sysconfig.get_config_var("EXT_SUFFIX") or ""):
         h.update(part.encode())
     return h.hexdigest()[:16]
@@ -92,8 +102,8 @@ def _compile(src_path: str, out_path: str, cxx: str) -> None:
     tmp_dir = os.path.dirname(out_path)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=tmp_dir)
     os.close(fd)
-    cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-           "-DTORCH_API_INCLUDE_EXTENSION_H", f"-DTORCH_EXTENSION_NAME={_MODULE}"]
+    cmd = [cxx, "-O2", f"-std={_cxx_standard(torch.__version__)}", "-shared", "-fPIC", "-w",
+           f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DTORCH_API_INCLUDE_EXTENSION_H", f"-DTORCH_EXTENSION_NAME={_MODULE}"]
     cmd += [f"-I{p}" for p in inc] + [src_path, "-o", tmp, f"-L{libdir}", "-lc10", "-ltorch", "-ltorch_cpu",
                                       "-ltorch_python", f"-Wl,-rpath,{libdir}"]
     try:

@@ -28,6 +28,17 @@ def test_refusals_without_cuda_setting_or_version():
     assert "unknown" in native.direct_launch_refusal(None, setting=True, cuda=True)
 
 
+@pytest.mark.parametrize("version,standard", [("2.11.0+cu130", "c++17"), ("2.12.0", "c++20"), ("2.13.0+cpu", "c++20"),
+                                              ("2.15.0+cu132", "c++20"), ("3.0.0a0+git1234", "c++20"),
+                                              ("unknown", "c++20")])
+def test_cxx_standard_follows_torch(version, standard):
+    """torch >= 2.12 builds extensions as C++20 and torch 2.14's ATen headers refuse C++17 (the C++ node then failed
+    to build on torch 2.15: ``'strong_ordering' in namespace 'std' does not name a type``)."""
+    from fastdora import _native
+
+    assert _native._cxx_standard(version) == standard
+
+
 def test_build_key_includes_tritons_version(monkeypatch):
     from fastdora import _native
 
