@@ -3,7 +3,8 @@
 #
 #   bash scripts/test.sh            full suite: for the oldest and newest supported PEFT, fastdora's tests
 #                                   (incl. Triton kernels under TRITON_INTERPRET=1) + PEFT's own DoRA tests with
-#                                   fastdora enabled process-wide; then the framework integration tests.
+#                                   fastdora enabled process-wide; the torch-dependent tests with the newest torch;
+#                                   then the framework integration tests.
 #   FASTDORA_TEST_QUICK=1 bash scripts/test.sh   fastdora's tests against the newest PEFT only.
 #   FASTDORA_TEST_WORKERS=N bash scripts/test.sh  N pytest-xdist workers (default 2)
 #
@@ -20,10 +21,10 @@ mkdir -p "$WORK"
 t0=$(date +%s)
 say() { printf '\n==== [%4ss] %s\n' "$(( $(date +%s) - t0 ))" "$*"; }
 
-# Disk preflight: a full run builds ~17 GB of virtual environments under $WORK (test venv ~2.7 GB, framework
-# venvs ~12.5 GB of which Axolotl 0.21's ~5.8 GB, example venv ~1.5 GB); a full disk otherwise shows up minutes later
-# as a pip OSError mid-suite.
-need_gb=${FASTDORA_TEST_MIN_FREE_GB:-$([ "${FASTDORA_TEST_QUICK:-0}" = 1 ] && echo 4 || echo 20)}
+# Disk preflight: a full run builds ~23 GB of virtual environments under $WORK (test venv ~2.7 GB, newest-torch venv
+# ~5.5 GB, framework venvs ~12.5 GB of which Axolotl 0.21's ~5.8 GB, example venv ~1.5 GB); a full disk otherwise shows
+# up minutes later as a pip OSError mid-suite.
+need_gb=${FASTDORA_TEST_MIN_FREE_GB:-$([ "${FASTDORA_TEST_QUICK:-0}" = 1 ] && echo 4 || echo 26)}
 free_gb=$(( $(df -Pk "$WORK" | awk 'NR==2 {print $4}') / 1048576 ))
 if [ "$free_gb" -lt "$need_gb" ]; then
   echo "fastdora tests: only ${free_gb} GB free under $WORK; the run needs about ${need_gb} GB" \
@@ -131,6 +132,25 @@ say "fastdora tests, PEFT $PEFT_OLDEST (the PEFT-dependent ones)"
 run_fastdora_tests "$VENV" "${PEFT_FREE[@]}"
 say "PEFT $PEFT_OLDEST's own DoRA tests with fastdora enabled process-wide"
 run_peft_dora_tests "$VENV" "$PEFT_OLDEST"
+
+# The newest torch the package index serves (on PyPI the CUDA build, which runs on CPU): the tests that depend on
+# torch's internals and headers (the C++ node's build, torch.compile, parity with stock PEFT, the norm cache) with the
+# newest PEFT; the main passes above use torch 2.13.0, the CPU build. Its own venv (~5.5 GB).
+TORCH_VENV="$WORK/venv-torch-newest"
+if [ ! -x "$TORCH_VENV/bin/python" ] || [ ! -f "$TORCH_VENV/.ok" ]; then
+  rm -rf "$TORCH_VENV"
+  "$PY" -m venv "$TORCH_VENV"
+  "$TORCH_VENV/bin/pip" install -q --upgrade pip
+  "$TORCH_VENV/bin/pip" install -q torch "peft==$PEFT_NEWEST" transformers accelerate pytest pytest-xdist parameterized \
+    safetensors
+  "$TORCH_VENV/bin/pip" install -q --no-deps -e "$ROOT"
+  touch "$TORCH_VENV/.ok"
+fi
+say "fastdora's torch-dependent tests with the newest torch"
+"$TORCH_VENV/bin/python" -c "import torch, peft, fastdora; print('torch', torch.__version__, 'peft', peft.__version__)"
+(cd "$ROOT" && "$TORCH_VENV/bin/python" -m pytest -q -m "not gpu" -p no:cacheprovider -n "$WORKERS" \
+  tests/kernels/test_native_node.py tests/kernels/test_launch_guard.py tests/peft/test_compile.py \
+  tests/peft/test_parity.py tests/peft/test_cache_and_api.py)
 
 if [ -f "$ROOT/integration_tests/run_all.sh" ]; then
   say "framework venvs (started in the background at $(date -u -d @"$t0" +%H:%M:%S) UTC)"
