@@ -482,7 +482,7 @@ def _invalidate(module, active_adapter: str) -> None:
     if isinstance(mag, _FastDoraMixin):
         mag._fd_invalidate()
     # the compiled path's entries are held by B's storage (fastdora.dispatch.cached_norm)
-    lora_B = module.lora_B[active_adapter].weight if active_adapter in module.lora_B else (
+    lora_B = getattr(module.lora_B[active_adapter], "weight", None) if active_adapter in module.lora_B else (
         module.lora_embedding_B[active_adapter] if active_adapter in getattr(module, "lora_embedding_B", {}) else None)
     if isinstance(lora_B, torch.Tensor):
         _cache.anchored_drop(lora_B)
