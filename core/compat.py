@@ -10,7 +10,10 @@ torch). Each has a fallback that keeps results exact: a missing internal only co
 - global module hooks (``torch.nn.modules.module._global_*hooks``) and the JIT tracing state
   (``torch._C._get_tracing_state``): whether calling a module's ``forward`` directly equals calling the module;
 - CUDA queries without their Python layers (``torch._C._cuda_getDevice``, ``_cuda_getCurrentRawStream``,
-  ``_cuda_isCurrentStreamCapturing``).
+  ``_cuda_isCurrentStreamCapturing``);
+- a convolution module's own convolution without its bias (``nn.modules.conv._ConvNd._conv_forward``): what PEFT >= 0.22
+  runs for a Conv DoRA layer's base branch under dropout, padding mode included (here the fallback is the functional
+  convolution with zero padding, exact for the default padding mode only).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ __all__ = [
     "current_device",
     "raw_stream",
     "stream_capturing",
+    "conv_without_bias",
 ]
 
 
@@ -158,3 +162,20 @@ def stream_capturing() -> bool:
     """The current CUDA stream is capturing a graph (call only where CUDA is initialised: a CPU-only build's binding
     raises)."""
     return _IS_CAPTURING is not None and bool(_IS_CAPTURING())
+
+
+# ----------------------------------------------------------------------------------------------------- convolutions
+
+
+def conv_without_bias(conv: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``conv``'s convolution of ``x`` with its weight and no bias, padding mode included (``_conv_forward``, what PEFT
+    >= 0.22 calls). Without it: the functional convolution, zero padding (an error for another padding mode)."""
+    conv_forward = getattr(conv, "_conv_forward", None)
+    if conv_forward is not None:
+        return conv_forward(x, conv.weight, None)
+    if conv.padding_mode != "zeros":  # pragma: no cover
+        raise NotImplementedError(f"this torch's {type(conv).__name__} has no _conv_forward: padding_mode "
+                                  f"{conv.padding_mode!r} is not supported by fastdora's Conv DoRA path")
+    F = torch.nn.functional
+    fn = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}[conv.weight.dim()]
+    return fn(x, conv.weight, None, conv.stride, conv.padding, conv.dilation, conv.groups)

@@ -398,7 +398,7 @@ def _conv_without_bias(dora_layer, base_layer, x):
     ``conv_fn(x, W, stride, padding, dilation, groups)`` (zero padding whatever the layer's mode)."""
     conv_fn = getattr(dora_layer, "conv_fn", None)
     if conv_fn is None:
-        return base_layer._conv_forward(x, base_layer.weight, None)
+        return compat.conv_without_bias(base_layer, x)
     return conv_fn(x, base_layer.weight, bias=None, stride=base_layer.stride, padding=base_layer.padding,
                    dilation=base_layer.dilation, groups=base_layer.groups)
 

@@ -3,6 +3,7 @@ fastdora relies on. A failure here names the internal that a torch release chang
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
@@ -113,3 +114,14 @@ def test_cuda_queries_exist():
             assert compat.stream_capturing() is True
         assert compat.current_device() == torch.cuda.current_device()
         assert compat.raw_stream(compat.current_device()) == torch.cuda.current_stream().cuda_stream
+
+
+@pytest.mark.parametrize("padding_mode", ["zeros", "reflect", "circular"])
+@pytest.mark.parametrize("dim", [1, 2, 3])
+def test_conv_without_bias_is_the_modules_convolution(dim, padding_mode):
+    conv = {1: torch.nn.Conv1d, 2: torch.nn.Conv2d, 3: torch.nn.Conv3d}[dim](
+        3, 4, 3, padding=1, padding_mode=padding_mode, dtype=torch.float64)
+    assert callable(getattr(conv, "_conv_forward", None))  # the private path is the one that runs on this torch
+    x = torch.randn(2, 3, *([6] * dim), dtype=torch.float64)
+    bias = conv.bias.view(1, -1, *([1] * dim))
+    torch.testing.assert_close(compat.conv_without_bias(conv, x) + bias, conv(x), rtol=1e-12, atol=1e-12)
