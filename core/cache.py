@@ -102,10 +102,11 @@ def _tkey(t: torch.Tensor):
 
 def local_key(weight_src: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float):
     """``(key, wkey)`` outside distributed engines (``key`` None: not cacheable): the epoch plus W, A, B identity and
-    versions; ``wkey`` keys the base norm of ``W`` alone."""
-    wkey, akey, bkey = _tkey(weight_src), _tkey(lora_A), _tkey(lora_B)
-    key = None if (akey is None or bkey is None) else (_EPOCH, wkey, akey, bkey, float(scale))
-    return key, wkey
+    versions; ``wkey`` keys the base norm of ``W`` alone: the load epoch plus W's identity and version (a write through
+    ``.data`` moves no version counter; :func:`invalidate` then moves the load epoch)."""
+    tkey, akey, bkey = _tkey(weight_src), _tkey(lora_A), _tkey(lora_B)
+    key = None if (akey is None or bkey is None) else (_EPOCH, tkey, akey, bkey, float(scale))
+    return key, (None if tkey is None else (_LOAD_EPOCH, tkey))
 
 
 def local_key_holds(key, weight_src: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float) -> bool:
@@ -217,12 +218,6 @@ def anchored_get(anchor: torch.Tensor, key, wkey) -> tuple[Optional[torch.Tensor
         record("norm:cached")
         return entry[1], None
     return None, (entry[3] if (wkey is not None and entry[2] == wkey) else None)
-
-
-def anchored_drop(anchor: torch.Tensor) -> None:
-    """Forget the entry held by ``anchor``'s storage (a merge or unmerge changed the base weight in place, which PEFT
-    >= 0.22 does through ``.data.copy_``: no version counter moves)."""
-    _ANCHORED.pop(anchor.untyped_storage(), None)
 
 
 def anchored_put(anchor: torch.Tensor, key, norm: torch.Tensor, wkey, base_sq: torch.Tensor,

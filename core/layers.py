@@ -481,21 +481,18 @@ def _invalidate(module, active_adapter: str) -> None:
     mag = _distributed.unwrap(module.lora_magnitude_vector[active_adapter])
     if isinstance(mag, _FastDoraMixin):
         mag._fd_invalidate()
-    # the compiled path's entries are held by B's storage (fastdora.dispatch.cached_norm)
-    lora_B = getattr(module.lora_B[active_adapter], "weight", None) if active_adapter in module.lora_B else (
-        module.lora_embedding_B[active_adapter] if active_adapter in getattr(module, "lora_embedding_B", {}) else None)
-    if isinstance(lora_B, torch.Tensor):
-        _cache.anchored_drop(lora_B)
 
 
 def _merge_wrapper(peft_cls, name: str):
-    """Merge/unmerge change W: run PEFT's method, then drop the cached norms (the version/storage key would catch
-    the change too; this makes it explicit)."""
+    """Merge/unmerge change W: run PEFT's method, then drop the layer's cached norms and move the cache's epochs
+    (:func:`fastdora.cache.invalidate`: PEFT >= 0.22 writes W through ``.data.copy_``, which moves no version counter,
+    so the entries that the compiled path keeps elsewhere, ``fastdora.dispatch.cached_norm``, need it too)."""
     peft_method = getattr(peft_cls, name)
 
     def method(module, active_adapter, orig_weight):
         out = peft_method(module, active_adapter, orig_weight)
         _invalidate(module, active_adapter)
+        _cache.invalidate()
         return out
 
     return staticmethod(method)

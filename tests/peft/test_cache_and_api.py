@@ -395,15 +395,17 @@ def test_norm_recomputed_after_fused_optimizer_step(opt_kwargs):
         assert_close(fast(x), ref(x), torch.float32, f"after AdamW({opt_kwargs}) steps")
 
 
-def test_invalidate_norm_cache_after_data_write():
+@pytest.mark.parametrize("which", ["lora_B", "base_weight"])
+def test_invalidate_norm_cache_after_data_write(which):
     """A write through `.data` outside any optimizer bumps no version: `fastdora.invalidate_norm_cache()` is the
-    documented way to drop cached norms after it."""
+    documented way to drop cached norms after it, the base norm ``||W||^2`` included."""
     ref, fast = make_pair(MLP, dtype=F64)
     x = model_input(ref.base_model.model, F64)
     with torch.no_grad():
         fast(x)
         for m in (ref, fast):
-            _lin(m).lora_B["default"].weight.data.mul_(2.0)
+            lin = _lin(m)
+            (lin.lora_B["default"].weight if which == "lora_B" else lin.base_layer.weight).data.mul_(2.0)
         fastdora.invalidate_norm_cache()
         assert_close(fast(x), ref(x), F64, "after .data write + invalidate")
 
