@@ -15,7 +15,7 @@ import os
 import random
 import sys
 
-__all__ = ["build_tokenizer", "build_model", "build_datasets", "build_all", "PROBE_TEXT"]
+__all__ = ["build_tokenizer", "build_model", "build_datasets", "build_all", "checkpointing_args", "PROBE_TEXT"]
 
 _WORDS = (
     "the a an one two three red green blue small large quick slow cat dog bird fish tree river stone cloud "
@@ -132,6 +132,18 @@ def build_all(out_dir: str, n: int = 64) -> dict:
         build_model(model_dir, tok)
     paths = build_datasets(data_dir, n=n)
     return {"model": model_dir, "data_dir": data_dir, **paths}
+
+
+def checkpointing_args(args_cls, use_reentrant: bool = False, enabled: bool = True) -> dict:
+    """Activation checkpointing keywords for ``args_cls`` (``TrainingArguments`` or a subclass such as TRL's
+    ``SFTConfig``): transformers >= 5.25 names them ``activation_checkpointing`` / ``activation_checkpointing_kwargs``
+    (the ``gradient_checkpointing`` names are deprecated aliases there, to be removed in v6); older releases know only
+    ``gradient_checkpointing`` / ``gradient_checkpointing_kwargs``."""
+    import dataclasses
+
+    known = {f.name for f in dataclasses.fields(args_cls)}
+    name = "activation_checkpointing" if "activation_checkpointing" in known else "gradient_checkpointing"
+    return {name: enabled, f"{name}_kwargs": {"use_reentrant": use_reentrant}}
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))  # _tiny.py
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -43,13 +44,14 @@ def main() -> None:
     import torch
     from datasets import load_dataset
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments, set_seed
 
+    from _tiny import checkpointing_args
     from probe import ProbeCallback, fastdora_state
 
     set_seed(0)
     tok = AutoTokenizer.from_pretrained(a.model)
-    model = AutoModelForCausalLM.from_pretrained(a.model, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
     targets = TARGETS + (["embed_tokens"] if a.trainer == "hf" and not a.fsdp2 else [])
     lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=targets, use_dora=True,
                       task_type="CAUSAL_LM")
@@ -57,9 +59,10 @@ def main() -> None:
     use_cpu = not torch.cuda.is_available()
     common = dict(
         output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=4, learning_rate=2e-3, logging_steps=1,
-        save_strategy="no", report_to=[], use_cpu=use_cpu, seed=0, data_seed=0, gradient_checkpointing=not a.no_gc,
-        gradient_checkpointing_kwargs={"use_reentrant": a.reentrant}, dataloader_num_workers=0, bf16=False, fp16=False,
-        lr_scheduler_type="constant", warmup_steps=0, torch_compile=a.compile,
+        save_strategy="no", report_to=[], use_cpu=use_cpu, seed=0, data_seed=0,
+        **checkpointing_args(TrainingArguments, use_reentrant=a.reentrant, enabled=not a.no_gc),
+        dataloader_num_workers=0, bf16=False, fp16=False, lr_scheduler_type="constant", warmup_steps=0,
+        torch_compile=a.compile,
     )
     if a.fsdp2:
         assert a.trainer == "hf", "--fsdp2 is for --trainer hf"

@@ -17,7 +17,7 @@ from _tiny import PROBE_TEXT  # noqa: E402
 
 base_dir, adapter_dir, out = sys.argv[1:4]
 tok = AutoTokenizer.from_pretrained(base_dir)
-model = AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32)
+model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
 model = PeftModel.from_pretrained(model, adapter_dir)
 model.eval()
 assert any(getattr(m, "lora_magnitude_vector", None) for m in model.modules()), "adapter has no DoRA layer"

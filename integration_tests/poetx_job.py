@@ -34,9 +34,9 @@ def main() -> None:
 
     import torch
     from datasets import load_dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments, set_seed
 
-    from _tiny import PROBE_TEXT
+    from _tiny import PROBE_TEXT, checkpointing_args
     from fastdora import poetx
     from fastdora.plugins import PoetXCallback  # the plugin under test
 
@@ -47,8 +47,8 @@ def main() -> None:
     common = dict(
         output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=4, gradient_accumulation_steps=2,
         learning_rate=3e-3, logging_steps=1, save_strategy="steps", save_steps=4, report_to=[],
-        use_cpu=not torch.cuda.is_available(), seed=0, data_seed=0, gradient_checkpointing=True,
-        gradient_checkpointing_kwargs={"use_reentrant": False}, dataloader_num_workers=0, bf16=False, fp16=False,
+        use_cpu=not torch.cuda.is_available(), seed=0, data_seed=0, **checkpointing_args(TrainingArguments),
+        dataloader_num_workers=0, bf16=False, fp16=False,
         lr_scheduler_type="cosine", warmup_steps=1, disable_tqdm=True,
     )
     callback = PoetXCallback(**json.loads(a.options))

@@ -46,6 +46,35 @@ if [ "${FASTDORA_TEST_QUICK:-0}" != 1 ] && [ -f "$ROOT/integration_tests/run_all
   echo "framework venvs: building in the background (pid $IT_PID, log $IT_LOG)"
 fi
 
+# The newest torch the package index serves (on PyPI the CUDA build, which runs on CPU) runs the tests that depend on
+# torch's internals and headers (the C++ node's build, torch.compile, parity with stock PEFT, the norm cache) with the
+# newest PEFT; the main passes use torch 2.13.0, the CPU build. Its own venv (~6 GB), built in the background from the
+# start like the framework venvs. pip reads no configuration file for it (PIP_CONFIG_FILE=/dev/null): a site
+# configuration may cap torch below the newest release (a constraints file), and this venv is there to test that one.
+TORCH_VENV="$WORK/venv-torch-newest"
+TORCH_LOG="$WORK/venv-torch-newest.log"
+TORCH_PID=""
+build_torch_venv() {
+  if [ ! -x "$TORCH_VENV/bin/python" ] || [ ! -f "$TORCH_VENV/.ok" ]; then
+    rm -rf "$TORCH_VENV"
+    "$PY" -m venv "$TORCH_VENV"
+    export PIP_CONFIG_FILE=/dev/null
+    "$TORCH_VENV/bin/pip" install -q --upgrade pip
+    "$TORCH_VENV/bin/pip" install -q --no-compile --no-cache-dir torch "peft==$PEFT_NEWEST" transformers accelerate pytest \
+      pytest-xdist parameterized safetensors
+    "$TORCH_VENV/bin/pip" install -q --no-deps -e "$ROOT"
+    touch "$TORCH_VENV/.ok"
+  fi
+}
+if [ "${FASTDORA_TEST_QUICK:-0}" != 1 ]; then
+  set -m
+  build_torch_venv > "$TORCH_LOG" 2>&1 &
+  TORCH_PID=$!
+  set +m
+  trap '[ -z "$IT_PID" ] || kill -- -"$IT_PID" 2>/dev/null || true; [ -z "$TORCH_PID" ] || kill -- -"$TORCH_PID" 2>/dev/null || true' EXIT
+  echo "newest-torch venv: building in the background (pid $TORCH_PID, log $TORCH_LOG)"
+fi
+
 make_venv() {  # make_venv DIR PEFT_VERSION TRANSFORMERS_SPEC EXTRA...
   local dir=$1 peft=$2 tf=$3; shift 3
   if [ ! -x "$dir/bin/python" ] || [ ! -f "$dir/.ok" ]; then
@@ -133,20 +162,13 @@ run_fastdora_tests "$VENV" "${PEFT_FREE[@]}"
 say "PEFT $PEFT_OLDEST's own DoRA tests with fastdora enabled process-wide"
 run_peft_dora_tests "$VENV" "$PEFT_OLDEST"
 
-# The newest torch the package index serves (on PyPI the CUDA build, which runs on CPU): the tests that depend on
-# torch's internals and headers (the C++ node's build, torch.compile, parity with stock PEFT, the norm cache) with the
-# newest PEFT; the main passes above use torch 2.13.0, the CPU build. Its own venv (~5.5 GB).
-TORCH_VENV="$WORK/venv-torch-newest"
-if [ ! -x "$TORCH_VENV/bin/python" ] || [ ! -f "$TORCH_VENV/.ok" ]; then
-  rm -rf "$TORCH_VENV"
-  "$PY" -m venv "$TORCH_VENV"
-  "$TORCH_VENV/bin/pip" install -q --upgrade pip
-  "$TORCH_VENV/bin/pip" install -q torch "peft==$PEFT_NEWEST" transformers accelerate pytest pytest-xdist parameterized \
-    safetensors
-  "$TORCH_VENV/bin/pip" install -q --no-deps -e "$ROOT"
-  touch "$TORCH_VENV/.ok"
+say "fastdora's torch-dependent tests with the newest torch (venv started in the background at the start)"
+if ! wait "$TORCH_PID"; then
+  cat "$TORCH_LOG" >&2
+  echo "building the newest-torch venv failed (log above: $TORCH_LOG)" >&2
+  exit 1
 fi
-say "fastdora's torch-dependent tests with the newest torch"
+TORCH_PID=""
 "$TORCH_VENV/bin/python" -c "import torch, peft, fastdora; print('torch', torch.__version__, 'peft', peft.__version__)"
 (cd "$ROOT" && "$TORCH_VENV/bin/python" -m pytest -q -m "not gpu" -p no:cacheprovider -n "$WORKERS" \
   tests/kernels/test_native_node.py tests/kernels/test_launch_guard.py tests/peft/test_compile.py \

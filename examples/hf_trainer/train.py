@@ -34,7 +34,7 @@ from transformers import (  # noqa: E402
     TrainingArguments, set_seed,
 )
 
-from _tiny import PROBE_TEXT, build_datasets, build_model, build_tokenizer  # noqa: E402
+from _tiny import PROBE_TEXT, build_datasets, build_model, build_tokenizer, checkpointing_args  # noqa: E402
 
 #: printed beside the timings when the device is the CPU (step times of a tiny model on a shared CPU vary a lot)
 CPU_TIMING_NOTE = ("timings on CPU are indicative only; fastdora's speed claims are measured on GPU "
@@ -84,7 +84,7 @@ def train_once(a, model_dir: str, data: str, use_fastdora: bool):
     args = TrainingArguments(
         output_dir=out, max_steps=a.steps, per_device_train_batch_size=a.batch, learning_rate=1e-3,
         logging_steps=1, save_strategy="no", report_to=[], use_cpu=not device_gpu, seed=0,
-        gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
+        **checkpointing_args(TrainingArguments),
         bf16=device_gpu and a.bf16, lr_scheduler_type="constant", disable_tqdm=True, log_level="warning",
     )
     timer = StepTimer()

@@ -27,7 +27,7 @@ from transformers import (  # noqa: E402
     AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, Trainer, TrainingArguments, set_seed,
 )
 
-from _tiny import PROBE_TEXT, build_datasets, build_model, build_tokenizer  # noqa: E402
+from _tiny import PROBE_TEXT, build_datasets, build_model, build_tokenizer, checkpointing_args  # noqa: E402
 from fastdora import poetx  # noqa: E402
 from fastdora.plugins import PoetXCallback  # noqa: E402
 
@@ -63,8 +63,8 @@ def main() -> None:
     args = TrainingArguments(
         output_dir=os.path.join(a.out, "run"), max_steps=a.steps, per_device_train_batch_size=a.batch,
         learning_rate=a.lr, lr_scheduler_type="cosine", warmup_steps=2, logging_steps=1, save_strategy="no",
-        report_to=[], use_cpu=not gpu, bf16=gpu, seed=0, gradient_checkpointing=True,
-        gradient_checkpointing_kwargs={"use_reentrant": False}, disable_tqdm=True, log_level="warning",
+        report_to=[], use_cpu=not gpu, bf16=gpu, seed=0, **checkpointing_args(TrainingArguments), disable_tqdm=True,
+        log_level="warning",
     )
     callback = PoetXCallback(block_size=a.block_size, merge_interval=a.merge_interval, mode=a.mode)
     trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[callback],

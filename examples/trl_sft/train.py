@@ -19,7 +19,7 @@ from datasets import load_dataset  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
 
-from _tiny import build_all  # noqa: E402
+from _tiny import build_all, checkpointing_args  # noqa: E402
 from fastdora.plugins.trl import FastDoraCallback  # noqa: E402
 
 p = argparse.ArgumentParser()
@@ -37,7 +37,7 @@ trainer = SFTTrainer(
     args=SFTConfig(output_dir=os.path.join(a.out, "run"), max_steps=a.steps, per_device_train_batch_size=4,
                    learning_rate=1e-3, logging_steps=1, report_to=[], max_length=64,
                    use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(),
-                   gradient_checkpointing=True),
+                   **checkpointing_args(SFTConfig)),
     callbacks=[FastDoraCallback()],  # options: kernels=, legacy_embedding_compose=, dm_from_output=
 )
 trainer.train()
