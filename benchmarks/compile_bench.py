@@ -280,7 +280,36 @@ def profile_iteration(grad_iter, sync, top: int = 30) -> dict:
                 gpu_kernel_launches=sum(v[1] for v in kernels.values()),
                 top_kernels=[[k[:90], round(v[0], 3), v[1]] for k, v in ranked[:top]],
                 cuda_api_host_ms=dict(sorted(api.items(), key=lambda kv: -kv[1][0])),
-                fastdora_ops_host_ms=host)
+                fastdora_ops_host_ms=host, gpu_idle=gpu_idle(prof))
+
+
+def gpu_idle(prof, min_gap_us: float = 5.0, top: int = 12) -> dict:
+    """Where the GPU waited inside a profiled call: the span from its first kernel's start to its last kernel's end,
+    the busy time (the union of the kernel intervals), the idle gaps of at least ``min_gap_us`` (count and total) and
+    the ``top`` largest, each ``[us, ms from the first kernel, kernel before, kernel after]``: a gap is time in which
+    the GPU had nothing queued (the host was issuing, or waiting on a sync)."""
+    import torch
+
+    cuda = torch.autograd.DeviceType.CUDA
+    evs = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                 if e.device_type == cuda and e.time_range.end > e.time_range.start)
+    if not evs:
+        return {}
+    t0, busy, gaps = evs[0][0], 0.0, []
+    cur_s, cur_e, last = evs[0]
+    for start, stop, name in evs[1:]:
+        if start > cur_e:
+            busy += cur_e - cur_s
+            if start - cur_e >= min_gap_us:
+                gaps.append((start - cur_e, cur_e - t0, last[:60], name[:60]))
+            cur_s, cur_e, last = start, stop, name
+        elif stop > cur_e:
+            cur_e, last = stop, name
+    busy += cur_e - cur_s
+    gaps.sort(key=lambda g: -g[0])
+    return dict(span_ms=round((cur_e - t0) / 1e3, 3), busy_ms=round(busy / 1e3, 3),
+                idle_ms=round(sum(g[0] for g in gaps) / 1e3, 3), gaps=len(gaps),
+                largest=[[round(g[0], 1), round(g[1] / 1e3, 3), g[2], g[3]] for g in gaps[:top]])
 
 
 def host_functions(fn, sync, top: int = 60) -> dict:

@@ -48,3 +48,45 @@ def test_plan_scopes_and_modes(cb):
             got = {c["variant"] for c in cfgs if (c["rank"], c["setup"], c["mode"], c["scope"]) == (r, s, "default",
                                                                                                      "layers")}
             assert {"lora", "fastdora", "peft_dora"} <= got
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_gpu_idle_against_a_time_grid(cb, seed):
+    """The busy time (union of kernel intervals) and the idle gaps, against a 1-us grid over random overlapping
+    intervals; CPU events are ignored."""
+    import random
+    import types
+
+    import torch
+
+    rng = random.Random(seed)
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def ev(a, b, name, kind=cuda):
+        return types.SimpleNamespace(time_range=types.SimpleNamespace(start=a, end=b), name=name, device_type=kind)
+
+    spans, t = [], 0
+    for k in range(60):
+        t += rng.choice([0, 1, 3, 6, 20])  # overlaps, short gaps, long gaps
+        d = rng.randint(1, 15)
+        spans.append((t, t + d, f"k{k}"))
+        t += rng.randint(0, d)
+    events = [ev(*s) for s in rng.sample(spans, len(spans))] + [ev(0, 10_000, "host op", cpu)]
+    got = cb.gpu_idle(types.SimpleNamespace(events=lambda: events), min_gap_us=5.0, top=100)
+    t0, t1 = min(s[0] for s in spans), max(s[1] for s in spans)
+    covered = [any(a <= x < b for a, b, _ in spans) for x in range(t0, t1)]
+    runs, x = [], 0
+    while x < len(covered):  # maximal idle runs on the grid
+        if covered[x]:
+            x += 1
+            continue
+        y = x
+        while y < len(covered) and not covered[y]:
+            y += 1
+        runs.append(y - x)
+        x = y
+    assert got["span_ms"] == pytest.approx((t1 - t0) / 1e3)
+    assert got["busy_ms"] == pytest.approx(sum(covered) / 1e3)
+    assert got["gaps"] == sum(r >= 5 for r in runs)
+    assert got["idle_ms"] == pytest.approx(sum(r for r in runs if r >= 5) / 1e3)
+    assert [g[0] for g in got["largest"]] == sorted((r for r in runs if r >= 5), reverse=True)
