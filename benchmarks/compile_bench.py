@@ -373,6 +373,7 @@ def run_parent(a) -> None:
     os.makedirs(a.out, exist_ok=True)
     cfgs = plan([int(r) for r in a.ranks.split(",")], a.setups.split(","), a.modes.split(","),
                 tuple(a.scopes.split(",")))
+    cfgs = select(cfgs, a.variants)
     results, t_start = [], time.time()
     for idx in batches(cfgs, a.parallel):
         batch = []
@@ -421,6 +422,18 @@ def run_parent(a) -> None:
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
     report(path)
+
+
+def select(cfgs: list, variants: str) -> list:
+    """The configs of the comma-separated ``variants`` (all for an empty string) and PEFT LoRA's, every comparison's
+    baseline; an unknown name is an error."""
+    if not variants:
+        return cfgs
+    keep = {v.strip() for v in variants.split(",") if v.strip()} | {"lora"}
+    unknown = keep - set(VARIANT_LABEL)
+    if unknown:
+        raise SystemExit(f"--variants: unknown {sorted(unknown)}; known: {', '.join(VARIANT_LABEL)}")
+    return [c for c in cfgs if c["variant"] in keep]
 
 
 def batches(cfgs: list, size: int) -> list:
@@ -520,6 +533,8 @@ def build_parser():
     p.add_argument("--scopes", default="layers,model",
                    help="what is compiled: layers (each decoder layer), model (the whole PEFT model, as HF Trainer "
                         "does); the first is measured for every config, the others at the first rank and setup")
+    p.add_argument("--variants", default="",
+                   help="comma-separated subset of the planned variants (default: all; PEFT LoRA always runs)")
     p.add_argument("--rounds", type=int, default=4, help="interleaved rounds the timed iterations are split into")
     p.add_argument("--parallel", type=int, default=8, help="processes building and compiling at the same time")
     p.add_argument("--budget-s", type=float, default=480.0, help="start no batch after this many seconds")

@@ -90,3 +90,13 @@ def test_gpu_idle_against_a_time_grid(cb, seed):
     assert got["gaps"] == sum(r >= 5 for r in runs)
     assert got["idle_ms"] == pytest.approx(sum(r for r in runs if r >= 5) / 1e3)
     assert [g[0] for g in got["largest"]] == sorted((r for r in runs if r >= 5), reverse=True)
+
+
+def test_select_variants_keeps_the_baseline(cb):
+    cfgs = cb.plan([384, 16], ["amp", "bf16"], ["default"], ("layers",))
+    assert cb.select(cfgs, "") == cfgs
+    got = cb.select(cfgs, "fastdora, peft_dora")
+    assert {c["variant"] for c in got} == {"lora", "fastdora", "peft_dora"}
+    assert len(got) == 12 and all(c in cfgs for c in got)
+    with pytest.raises(SystemExit, match="unknown"):
+        cb.select(cfgs, "fastdora,dora")
