@@ -478,21 +478,22 @@ def _out_dtype(module, result: torch.Tensor) -> Optional[torch.dtype]:
 
 
 def _invalidate(module, active_adapter: str) -> None:
+    """A merge or unmerge changed W: drop the layer's cached norms and move the cache's epochs
+    (:func:`fastdora.cache.invalidate`: PEFT >= 0.22 writes W through ``.data.copy_``, which moves no version counter,
+    so the entries that the compiled path keeps elsewhere, ``fastdora.dispatch.cached_norm``, need it too)."""
     mag = _distributed.unwrap(module.lora_magnitude_vector[active_adapter])
     if isinstance(mag, _FastDoraMixin):
         mag._fd_invalidate()
+    _cache.invalidate()
 
 
 def _merge_wrapper(peft_cls, name: str):
-    """Merge/unmerge change W: run PEFT's method, then drop the layer's cached norms and move the cache's epochs
-    (:func:`fastdora.cache.invalidate`: PEFT >= 0.22 writes W through ``.data.copy_``, which moves no version counter,
-    so the entries that the compiled path keeps elsewhere, ``fastdora.dispatch.cached_norm``, need it too)."""
+    """Merge/unmerge change W: run PEFT's method, then :func:`_invalidate`."""
     peft_method = getattr(peft_cls, name)
 
     def method(module, active_adapter, orig_weight):
         out = peft_method(module, active_adapter, orig_weight)
         _invalidate(module, active_adapter)
-        _cache.invalidate()
         return out
 
     return staticmethod(method)

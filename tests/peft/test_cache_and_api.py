@@ -19,7 +19,7 @@ from fastdora.ops.compose import allow_row_coef_cache
 from fastdora.ops.norm import factored_norm_eager
 from fastdora.stats import active_path_counter
 
-from ..helpers import MLP, EmbModel, assert_close, make_pair, model_input
+from ..helpers import MLP, EmbModel, GPT2Style, assert_close, make_pair, model_input
 
 F64 = torch.float64
 
@@ -101,26 +101,43 @@ def test_cached_norm_equals_fresh_norm_and_is_reused():
     torch.testing.assert_close(cached, dense, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("fan_in_fan_out", [False, True], ids=["linear", "fan_in_fan_out"])
 @pytest.mark.parametrize("safe", [False, True])
-def test_compiled_path_norm_after_merge_round_trip(safe):
-    """The compiled path's norm (``fastdora::cached_norm``, held by B's storage) after a merge and an unmerge: W holds
-    the round trip's rounding, which PEFT >= 0.22 writes in place through ``.data.copy_`` (no version counter moves,
-    the storage stays): the norm is that of the new W, not the cached one."""
+def test_compiled_path_norm_after_merge_round_trip(safe, fan_in_fan_out):
+    """The compiled path's norm (``fastdora::cached_norm``, held by B's storage) after a merge and after the unmerge,
+    each with a norm cached before it: W holds the merged weight, then the round trip's rounding, which PEFT >= 0.22
+    writes in place through ``.data.copy_`` (no version counter moves, the storage stays): the norm is that of the new
+    W, not the cached one. A ``fan_in_fan_out`` layer (Conv1D) unmerges through fastdora's own transpose-aware
+    unmerge."""
     from fastdora.dispatch import cached_norm
 
-    _, fast = make_pair(MLP, dtype=torch.bfloat16)
-    lin = _lin(fast)
+    if fan_in_fan_out:
+        _, fast = make_pair(GPT2Style, dtype=torch.bfloat16, fan_in_fan_out=True)
+        lin = fast.base_model.model.c_attn
+    else:
+        _, fast = make_pair(MLP, dtype=torch.bfloat16)
+        lin = _lin(fast)
+
+    def effective(w):  # the [d_out, d_in] weight the norm reads
+        return w.t() if fan_in_fan_out else w
+
     w, s = lin.base_layer.weight, lin.scaling["default"]
     a, b = lin.lora_A["default"].weight, lin.lora_B["default"].weight
     before_w = w.detach().clone()
-    first = cached_norm(w, a, b, s, kernels="eager").clone()
+    first = cached_norm(effective(w), a, b, s, kernels="eager").clone()
+
+    def check_fresh(stale):
+        w = effective(lin.base_layer.weight)
+        fresh, _ = factored_norm_eager(w, a, b, s)
+        got = cached_norm(w, a, b, s, kernels="eager")
+        assert torch.equal(got, fresh.to(got.dtype)) and not torch.equal(got, stale)
+        return got.clone()
+
     lin.merge(safe_merge=safe)
+    merged = check_fresh(first)
     lin.unmerge()
-    w = lin.base_layer.weight
-    assert not torch.equal(w, before_w)  # the round trip moved W (else this test could not see a stale norm)
-    fresh, _ = factored_norm_eager(w, a, b, s)
-    got = cached_norm(w, a, b, s, kernels="eager")
-    assert torch.equal(got, fresh.to(got.dtype)) and not torch.equal(got, first)
+    assert not torch.equal(lin.base_layer.weight, before_w)  # the round trip moved W (else no stale norm could show)
+    check_fresh(merged)
 
 
 @pytest.mark.parametrize("d_out,d_in,r", [(37, 53, 5), (64, 300, 16), (5, 1000, 3)])
