@@ -655,9 +655,14 @@ def lean_linear_forward(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
     are identical. Every other call goes to the class's own ``forward`` (PEFT's, which routes through the fastdora
     variant as before): extra arguments (``adapter_names``, variant kwargs), adapters disabled or merged, not exactly
     one active adapter present on the layer, an adapter not converted to fastdora, dropout in training mode, hooks
-    on the magnitude module or global module hooks, distributed engines, ``torch.compile`` / JIT tracing. The base
-    layer, ``lora_A`` and ``lora_B`` are called as modules unless they are bare ``nn.Linear`` modules (then
-    ``F.linear`` on their parameters: what their call runs).
+    on the magnitude module or global module hooks, distributed engines, JIT tracing. The base layer, ``lora_A`` and
+    ``lora_B`` are called as modules unless they are bare ``nn.Linear`` modules (then ``F.linear`` on their
+    parameters: what their call runs).
+
+    Under ``torch.compile`` Dynamo traces this function too (the same graph as the class's chain, with about a sixth
+    fewer guards to check at every call of the compiled region: fewer module attributes read), with two differences
+    from eager: the norm comes from ``_fd_weight_norm`` (the model's norm slot, else the norm op) and the C++ node is
+    not taken.
 
     One operation is left out where leaving it out is exact: under autocast with fp32 adapters and activations in
     the autocast dtype (HF Trainer's AMP), PEFT's cast of the input to fp32 before ``lora_A`` is undone by
@@ -670,6 +675,7 @@ def lean_linear_forward(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
     (bias-free adapters, frozen base weight and bias), no input cast is needed and ``fastdora.dispatch.layer_node``
     finds the C++ node on the Triton path, the three products and the composition run as that node's one autograd
     node (``dora_linear``): the same operations, bitwise the same outputs and gradients."""
+    compiling = _is_compiling()
     a = module._active_adapter
     if type(a) is list:
         a = a[0] if len(a) == 1 else None
@@ -681,8 +687,7 @@ def lean_linear_forward(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
         or kwargs
         or module._disable_adapters
         or module.merged_adapters
-        or _is_compiling()
-        or _tracing()
+        or (not compiling and _tracing())
         or _distributed.active()
         or type(module.lora_variant.get(a)) is not FastDoraLinearVariant
     ):
@@ -710,7 +715,7 @@ def lean_linear_forward(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
     if x_dtype != a_weight.dtype and getattr(module, "cast_input_dtype_enabled", True):
         x_dtype = a_weight.dtype
         cast_x = not (bare_a and _autocast_round_trip(x, a_weight.dtype))
-    if bare_base and bare_a and plain_b and not cast_x and _S.layer_node:
+    if bare_base and bare_a and plain_b and not cast_x and _S.layer_node and not compiling:
         weight, bias = base._parameters["weight"], base._parameters["bias"]
         m = mag._parameters["weight"]
         node = None
@@ -735,7 +740,10 @@ def lean_linear_forward(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
     h = F.linear(x, a_weight) if bare_a else lora_A(x)
     lora = F.linear(h, b_weight) if plain_b else lora_B(h)
     base_layer = base if "base_layer" not in base._modules else module.get_base_layer()
-    norm = _lean_norm(mag, a, opts, base_layer, lora_A, lora_B, a_weight, b_weight, scaling)
+    if compiling:  # the norm slot, else the norm op (the eager cache's key reads version counters)
+        norm = mag._fd_linear_norm(base_layer, lora_A, lora_B, scaling, a)
+    else:
+        norm = _lean_norm(mag, a, opts, base_layer, lora_A, lora_B, a_weight, b_weight, scaling)
     mag._fd_peft_cache(a, norm)
     return dora_compose(result, lora, mag._parameters["weight"], norm, scaling, eps_for(x_dtype),
                         bias=getattr(base_layer, "bias", None), out_dtype=result.dtype, kernels=opts.kernels,

@@ -112,6 +112,46 @@ def test_fullgraph_matches_eager_and_stock_peft(kind):
     assert_same_grads(g_c, g_r, torch.float32, "compiled vs stock PEFT")
 
 
+def test_compiled_linear_layers_trace_the_lean_forward(monkeypatch):
+    """Under ``torch.compile`` a converted Linear layer is traced through fastdora's lean forward, not PEFT's forward
+    chain (whose extra attribute reads become guards checked at every call of the compiled region). Under CPU bf16
+    autocast with a bf16 base and fp32 adapters (PEFT's AMP layout, where the lean forward leaves out the exact
+    input-cast round trip before ``lora_A``), the compiled model's output and every gradient equal eager fastdora's
+    and stock PEFT's."""
+    from fastdora import layers
+
+    from ..helpers import assert_close, assert_same_grads, forward_backward
+
+    ref, fast = make_pair(MLP, dtype=torch.bfloat16)
+    assert all(p.dtype == torch.float32 for n, p in fast.named_parameters() if "lora_" in n)
+    chain_calls = []
+    real = layers.FastDoraLinearVariant.forward
+
+    def spy(*args, **kwargs):
+        chain_calls.append(1)
+        return real(*args, **kwargs)
+
+    x = model_input(ref.base_model.model, torch.bfloat16)
+    forward_backward(fast, x)  # eager first call: installs the lean forward on each layer
+    assert all(layers.is_fastdora_forward(m.__dict__.get("forward")) for m in fast.modules()
+               if type(m).__name__ == "Linear" and hasattr(m, "lora_magnitude_vector"))
+    monkeypatch.setattr(layers.FastDoraLinearVariant, "forward", staticmethod(spy))
+    torch._dynamo.reset()
+    compiled = torch.compile(fast, fullgraph=True, backend="aot_eager")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_c, g_c = forward_backward(compiled, x)
+        assert chain_calls == []  # traced without PEFT's chain
+        monkeypatch.setattr(layers.FastDoraLinearVariant, "forward", staticmethod(real))
+        out_e, g_e = forward_backward(fast, x)
+        out_r, g_r = forward_backward(ref, x)
+    g_c = {k.replace("_orig_mod.", ""): v for k, v in g_c.items()}
+    assert out_c.dtype == out_r.dtype == torch.bfloat16
+    assert_close(out_c, out_e, torch.bfloat16, "compiled vs eager")
+    assert_close(out_c, out_r, torch.bfloat16, "compiled vs stock PEFT")
+    assert_same_grads(g_c, g_e, torch.bfloat16, "compiled vs eager")
+    assert_same_grads(g_c, g_r, torch.bfloat16, "compiled vs stock PEFT")
+
+
 def _train(model, step_fn, steps=3, ga=2, fused=False, scope=None):
     """``steps`` optimizer steps of ``ga`` micro-batches; each step inside ``scope(model)`` if given."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, fused=fused)
