@@ -659,10 +659,10 @@ def lean_linear_forward(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
     ``lora_B`` are called as modules unless they are bare ``nn.Linear`` modules (then ``F.linear`` on their
     parameters: what their call runs).
 
-    Under ``torch.compile`` Dynamo traces this function too (the same graph as the class's chain, with about a sixth
-    fewer guards to check at every call of the compiled region: fewer module attributes read), with two differences
-    from eager: the norm comes from ``_fd_weight_norm`` (the model's norm slot, else the norm op) and the C++ node is
-    not taken.
+    Under ``torch.compile`` Dynamo traces this function too: the class's chain computes the same (less the exact
+    input-cast round trip below), but reads more module attributes, each a guard checked at every call of the compiled
+    region (about a sixth more for a decoder layer). Traced, the norm comes from ``_fd_weight_norm`` (the model's norm
+    slot, else the norm op) and the C++ node is not taken.
 
     One operation is left out where leaving it out is exact: under autocast with fp32 adapters and activations in
     the autocast dtype (HF Trainer's AMP), PEFT's cast of the input to fp32 before ``lora_A`` is undone by
