@@ -740,10 +740,7 @@ def lean_linear_forward(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
     h = F.linear(x, a_weight) if bare_a else lora_A(x)
     lora = F.linear(h, b_weight) if plain_b else lora_B(h)
     base_layer = base if "base_layer" not in base._modules else module.get_base_layer()
-    if compiling:  # the norm slot, else the norm op (the eager cache's key reads version counters)
-        norm = mag._fd_linear_norm(base_layer, lora_A, lora_B, scaling, a)
-    else:
-        norm = _lean_norm(mag, a, opts, base_layer, lora_A, lora_B, a_weight, b_weight, scaling)
+    norm = _lean_norm(mag, a, opts, base_layer, lora_A, lora_B, a_weight, b_weight, scaling, compiling)
     mag._fd_peft_cache(a, norm)
     return dora_compose(result, lora, mag._parameters["weight"], norm, scaling, eps_for(x_dtype),
                         bias=getattr(base_layer, "bias", None), out_dtype=result.dtype, kernels=opts.kernels,
@@ -837,10 +834,11 @@ def _check_magnitudes(mag: nn.Module, m: torch.Tensor) -> bool:
     return oks[0]
 
 
-def _lean_norm(mag, a, opts, base_layer, lora_A, lora_B, a_weight, b_weight, scaling):
+def _lean_norm(mag, a, opts, base_layer, lora_A, lora_B, a_weight, b_weight, scaling, compiling=False):
     """The lean forward's norm: a cache hit checked here with ``_fd_weight_norm``'s key (``cache.local_key``); anything
-    else through that method."""
-    if mag.__dict__.get("_fastdora_norm") and _S.cache_norm:
+    else through that method, which is also the traced path (``compiling``: the norm slot, else the norm op; the key
+    reads version counters)."""
+    if not compiling and mag.__dict__.get("_fastdora_norm") and _S.cache_norm:
         key, wkey = _cache.local_key(_stored_weight(base_layer), a_weight, b_weight, scaling)
         hit = _cache.get(mag, a, key) if wkey is not None else None
         if hit is not None:
